@@ -1,0 +1,80 @@
+# DFlash drafter training on Proxmox GPU hosts. `make help` lists the entry points.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+INVENTORY ?= inventory/lab
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+export PATH := $(VENV)/bin:$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible/ansible.cfg
+export PYTHONUNBUFFERED := 1
+
+# Checks the inventory before any play: a missing path or a malformed file is one line naming it.
+CHECK_INVENTORY = $(PY) scripts/check_inventory.py $(INVENTORY)
+not-built = { echo "make $@: not built yet ($(1)); see the open issue" >&2; exit 2; }
+
+.PHONY: help
+help: ## list the entry points
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z0-9-]*:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "  INVENTORY=$(INVENTORY) (default inventory/lab)"
+
+.PHONY: bootstrap
+bootstrap: ## install Debian packages and the pinned venv (.venv); seconds when nothing changed
+	@scripts/bootstrap.sh
+
+.PHONY: lint
+lint: bootstrap ## ansible-lint (production profile), yamllint, ruff
+	yamllint -s .
+	ansible-lint --profile production --offline -q
+	ruff check .
+	ruff format --check .
+
+.PHONY: test
+test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios
+	$(PY) -m pytest -q -m "not gpu" trainer/tests tests
+	scripts/molecule_all.sh
+
+.PHONY: lab
+lab: bootstrap ## build or repair the local lab (containers, fakepve, S3); changes nothing when up
+	$(PY) -m lab up --inventory inventory/lab
+
+.PHONY: lab-down
+lab-down: ## remove every container, process, listener and file the lab made
+	@if [ -x $(PY) ]; then $(PY) -m lab down; else echo "lab-down: no venv, so no lab was built by it"; fi
+
+.PHONY: lab-status
+lab-status: bootstrap ## print each part of the lab and whether it is up
+	$(PY) -m lab status --inventory inventory/lab
+
+.PHONY: provision
+provision: bootstrap ## run ansible/site.yml against INVENTORY, layer by layer
+	@$(CHECK_INVENTORY)
+	@$(call not-built,the layer roles land with issues 6-9)
+
+.PHONY: verify
+verify: bootstrap ## run the testinfra layer checks against INVENTORY, in layer order
+	@$(CHECK_INVENTORY)
+	$(PY) -m pytest -q -p no:cacheprovider tests/verify --inventory $(INVENTORY)
+
+.PHONY: smoke-train
+smoke-train: bootstrap ## 100-step warmup as a transient unit in INVENTORY's container
+	@$(CHECK_INVENTORY)
+	@$(call not-built,issue 5)
+
+.PHONY: logs
+logs: bootstrap ## follow the dflash-train journal in INVENTORY's container
+	@$(CHECK_INVENTORY)
+	@$(call not-built,issue 5)
+
+.PHONY: image
+image: bootstrap ## build the CT template (VARIANT=cpu|cuda)
+	@$(call not-built,issue 9)
+
+.PHONY: bench
+bench: bootstrap ## print the benchmarks' figures (GPU parts run on a GPU machine)
+	@$(call not-built,issues 3 4 8)
+
+.PHONY: lock
+lock: ## re-resolve the locks in clean venvs; review the diff, upgrades are on purpose
+	scripts/lock.sh
