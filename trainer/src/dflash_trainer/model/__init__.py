@@ -1,0 +1,1 @@
+"""Target loading, the DFlash drafter and tiny test targets."""
