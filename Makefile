@@ -5,6 +5,7 @@ SHELL := /bin/bash
 
 INVENTORY ?= inventory/lab
 VENV := $(CURDIR)/.venv
+TRAINER_VENV := $(CURDIR)/.venv-trainer
 PY := $(VENV)/bin/python
 export PATH := $(VENV)/bin:$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible/ansible.cfg
@@ -32,7 +33,8 @@ lint: bootstrap ## ansible-lint (production profile), yamllint, ruff
 
 .PHONY: test
 test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios
-	$(PY) -m pytest -q -m "not gpu" trainer/tests tests
+	$(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
+	$(PY) -m pytest -q tests
 	scripts/molecule_all.sh
 
 .PHONY: lab

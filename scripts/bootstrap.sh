@@ -7,7 +7,12 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
-LOCKS=("$ROOT/requirements/tools.lock" "$ROOT/trainer/requirements.lock")
+TRAINER_VENV=${TRAINER_VENV:-$ROOT/.venv-trainer}
+# Two environments, as on a real deployment: the operator's tooling (.venv: ansible, molecule, testinfra, awscli)
+# and exactly what CT 200 runs (.venv-trainer: trainer/requirements.lock, plus pytest and test-only clients).
+TOOLS_LOCK="$ROOT/requirements/tools.lock"
+TRAINER_LOCK="$ROOT/trainer/requirements.lock"
+TRAINER_TEST_LOCK="$ROOT/requirements/trainer-test.lock"
 # Test-only clients installed without their dependencies (their runtime needs are in the trainer lock).
 NODEPS_LOCK="$ROOT/requirements/test-clients.lock"
 
@@ -20,7 +25,7 @@ die() { echo "bootstrap: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and manages LXC containers)"
 command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH; install python3 first"
-for lock in "${LOCKS[@]}" "$NODEPS_LOCK"; do [ -r "$lock" ] || die "missing lock file $lock"; done
+for lock in "$TOOLS_LOCK" "$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK"; do [ -r "$lock" ] || die "missing lock file $lock"; done
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -33,29 +38,45 @@ if [ ${#missing[@]} -gt 0 ]; then
     || die "apt-get install failed for: ${missing[*]}"
 fi
 
-stamp="$VENV/.locks.sha256"
-want=$(cat "${LOCKS[@]}" "$NODEPS_LOCK" "$ROOT/trainer/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
-  exit 0
+venv_current() {  # venv_current DIR FILES...: true when DIR was built from exactly these files
+  local dir=$1; shift
+  [ -x "$dir/bin/python" ] && [ -f "$dir/.locks.sha256" ] &&
+    [ "$(cat "$dir/.locks.sha256")" = "$(cat "$@" "$0" | sha256sum | cut -d' ' -f1)" ]
+}
+stamp_venv() { local dir=$1; shift; cat "$@" "$0" | sha256sum | cut -d' ' -f1 > "$dir/.locks.sha256"; }
+pip_q() {  # pip_q VENV ARGS...: quiet pip that keeps its exit status and drops the find-links noise
+  local venv=$1; shift
+  "$venv/bin/python" -m pip -q "$@" 2> >(grep -v "is ignored" >&2)
+}
+new_venv() {
+  echo "bootstrap: building $1 (a few minutes the first time)"
+  [ -x "$1/bin/python" ] || "$PYTHON" -m venv "$1" || die "could not create venv at $1"
+  pip_q "$1" install --upgrade pip || die "could not upgrade pip in $1"
+}
+
+if ! venv_current "$VENV" "$TOOLS_LOCK"; then
+  new_venv "$VENV"
+  pip_q "$VENV" install --requirement="$TOOLS_LOCK" || die "pip could not install $TOOLS_LOCK into $VENV"
+  "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
+  # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  for f in /usr/lib/python3/dist-packages/lxc /usr/lib/python3/dist-packages/_lxc.cpython-311-x86_64-linux-gnu.so; do
+    [ -e "$f" ] || die "python3-lxc is installed but $f is missing"
+    ln -sfn "$f" "$site/$(basename "$f")"
+  done
+  "$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
+  stamp_venv "$VENV" "$TOOLS_LOCK"
+  echo "bootstrap: $VENV ready"
 fi
 
-echo "bootstrap: building $VENV from the locks (a few minutes the first time)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "could not create venv at $VENV"
-pip_q() { "$VENV/bin/python" -m pip -q "$@" 2> >(grep -v "is ignored" >&2); }
-pip_q install --upgrade pip || die "could not upgrade pip in $VENV"
-# torch==2.13.0 resolves to the CPU wheel where pip's find-links offers it, to PyPI's CUDA build elsewhere.
-pip_q install "${LOCKS[@]/#/--requirement=}" || die "pip could not install the locks into $VENV"
-pip_q install --no-deps --requirement="$NODEPS_LOCK" || die "pip could not install $NODEPS_LOCK"
-pip_q install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer package from $ROOT/trainer"
-"$VENV/bin/python" -m pip check >/dev/null || die "the venv does not satisfy its locks: run '$VENV/bin/pip check'"
-
-# community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for f in /usr/lib/python3/dist-packages/lxc /usr/lib/python3/dist-packages/_lxc.cpython-311-x86_64-linux-gnu.so; do
-  [ -e "$f" ] || die "python3-lxc is installed but $f is missing"
-  ln -sfn "$f" "$site/$(basename "$f")"
-done
-"$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
-
-echo "$want" > "$stamp"
-echo "bootstrap: $VENV ready"
+trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$ROOT/trainer/pyproject.toml")
+if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
+  new_venv "$TRAINER_VENV"
+  # torch==2.13.0 resolves to the CPU wheel where pip's find-links offers it, to PyPI's CUDA build elsewhere.
+  pip_q "$TRAINER_VENV" install --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
+    || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
+  pip_q "$TRAINER_VENV" install --no-deps --requirement="$NODEPS_LOCK" || die "pip could not install $NODEPS_LOCK"
+  pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
+  stamp_venv "$TRAINER_VENV" "${trainer_inputs[@]}"
+  echo "bootstrap: $TRAINER_VENV ready"
+fi

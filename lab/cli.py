@@ -1,0 +1,86 @@
+"""`python -m lab up|down|status`: build, remove and report the local lab (see README, "The lab")."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from lab import containers, seed, services
+from lab.errors import LabError
+from lab.settings import REPO, LabSettings, load_settings
+
+
+def up(settings: LabSettings) -> bool:
+    changed = False
+    for spec in settings.containers:
+        part = containers.ensure_container(spec, settings)
+        print(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}", flush=True)
+        changed |= part
+    for daemon in services.daemons(settings):
+        part = services.ensure_daemon(settings, daemon)
+        print(f"lab: {daemon.name:<20} {'started' if part else 'ok'} ({daemon.url})", flush=True)
+        changed |= part
+    part = seed.ensure_seed_files(settings)
+    part = seed.ensure_bucket(settings) or part
+    print(f"lab: bucket {settings.s3_bucket:<13} {'seeded' if part else 'ok'}", flush=True)
+    changed |= part
+    print(f"lab: {'changed' if changed else 'up, nothing changed'}")
+    return changed
+
+
+def down(settings: LabSettings) -> None:
+    for spec in settings.containers:
+        removed = containers.destroy_container(spec.name)
+        print(f"lab: container {spec.name:<10} {'removed' if removed else 'absent'}")
+    for daemon in services.daemons(settings):
+        stopped = services.stop_daemon(settings, daemon)
+        print(f"lab: {daemon.name:<20} {'stopped' if stopped else 'not running'}")
+    shutil.rmtree(settings.lab_dir, ignore_errors=True)
+    print(f"lab: removed {settings.lab_dir}")
+    leftovers = [f"{d.host}:{d.port} ({owner})" for d in services.daemons(settings)
+                 if (owner := services.port_owner(d.host, d.port))]
+    if leftovers:
+        raise LabError(f"lab ports still held after lab-down: {', '.join(leftovers)}")
+
+
+def status(settings: LabSettings) -> bool:
+    rows: list[tuple[str, bool, str]] = []
+    for spec in settings.containers:
+        systemd = containers.systemd_state(spec.name)
+        rows.append((f"container {spec.name}", systemd == "running", f"systemd {systemd}"))
+    daemons = services.daemons(settings)
+    for daemon in daemons:
+        rows.append((daemon.name, services.answering(daemon), daemon.url))
+    s3_up = any(d.name == "s3" and services.answering(d) for d in daemons)
+    listing = seed.bucket_listing(settings) if s3_up else []
+    shards = [key for key in listing if key.startswith(seed.SHARDS_PREFIX) and key.endswith(".arrow")]
+    model = [key for key in listing if key.startswith(seed.MODEL_PREFIX)]
+    rows.append((f"bucket {settings.s3_bucket}", bool(shards and model),
+                 f"{len(shards)} shards, {len(model)} model files"))
+    for name, ok, detail in rows:
+        print(f"{name:<22} {'up  ' if ok else 'DOWN'}  {detail}")
+    return all(ok for _, ok, _ in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--inventory", type=Path, default=REPO / "inventory" / "lab")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.inventory)
+        if args.command == "up":
+            up(settings)
+        elif args.command == "down":
+            down(settings)
+        else:
+            return 0 if status(settings) else 1
+    except LabError as err:
+        print(f"lab {args.command}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lab {args.command}: interrupted; `make lab` repairs what was left half-built", file=sys.stderr)
+        return 130
+    return 0

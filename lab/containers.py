@@ -1,0 +1,163 @@
+"""Real LXC system containers (Debian, systemd as PID 1) standing in for CT 200 and the Proxmox host OS.
+
+Each container is built from a cached minbase root filesystem, configured as Proxmox configures a CT
+(host network here), and marked complete only once it booted: anything unmarked is a half-built
+container from an interrupted run, and is rebuilt rather than trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from lab.errors import LabError
+from lab.settings import ContainerSpec, LabSettings
+
+LXC_ROOT = Path("/var/lib/lxc")
+# python3 and python3-apt: Ansible's modules; dbus: systemctl talks to PID 1 through it.
+BASE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "python3-apt", "ca-certificates", "iproute2", "procps",
+                 "kmod", "less"]
+BOOT_TIMEOUT_S = 90
+
+
+def run(cmd: list[str], *, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        last = (proc.stderr or proc.stdout).strip().splitlines()
+        raise LabError(f"`{' '.join(cmd)}` failed: {last[-1] if last else f'exit {proc.returncode}'}")
+    return proc
+
+
+def base_rootfs(settings: LabSettings) -> Path:
+    """Cached minbase tarball; written to a temporary name and renamed, so a partial one is never used."""
+    tar = settings.lab_dir / "cache" / f"{settings.suite}-base.tar"
+    if tar.exists():
+        return tar
+    tar.parent.mkdir(parents=True, exist_ok=True)
+    partial = tar.with_suffix(".partial.tar")
+    print(f"lab: building the {settings.suite} root filesystem with mmdebstrap (about 30 s)", flush=True)
+    run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", settings.suite,
+         str(partial), settings.mirror], timeout=900)
+    partial.rename(tar)
+    return tar
+
+
+def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
+    lines = [
+        "# Written by `make lab` (lab/containers.py); a real CT 200 gets the same entries from Proxmox.",
+        "lxc.include = /usr/share/lxc/config/common.conf",
+        f"lxc.uts.name = {spec.name}",
+        f"lxc.rootfs.path = dir:{LXC_ROOT / spec.name / 'rootfs'}",
+        "lxc.net.0.type = none",  # host network: loopback services (fakepve, S3) are reachable as on the host
+        "lxc.apparmor.profile = unconfined",
+        "lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed",
+        f"lxc.prlimit.memlock = {memlock_limit()}",
+    ]
+    if spec.shm_size_mb is not None:
+        # The entry Proxmox writes for a sized /dev/shm: tmpfs pages count against the memory limit below.
+        lines.append(f"lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,size={spec.shm_size_mb}m,create=dir 0 0")
+    if spec.memory_mb is not None:
+        # cgroup v1 line: this machine's hybrid layout ignores cgroup2 limit lines.
+        lines.append(f"lxc.cgroup.memory.limit_in_bytes = {spec.memory_mb}M")
+    if spec.role == "ct":
+        for wheel_dir in settings.wheel_dirs:
+            if wheel_dir.is_dir():
+                rel = str(wheel_dir).lstrip("/")
+                lines.append(f"lxc.mount.entry = {wheel_dir} {rel} none bind,ro,create=dir 0 0")
+    return "\n".join(lines) + "\n"
+
+
+def memlock_limit() -> str:
+    """CT 200 gets an unlimited memlock (pinned host buffers); a lab machine whose own hard limit is lower
+    cannot grant more than it has, so the lab passes that limit on."""
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    return "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+
+
+def state(name: str) -> str:
+    proc = run(["lxc-info", "-n", name, "-s", "-H"], check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else "ABSENT"
+
+
+def attach(name: str, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return run(["lxc-attach", "-n", name, "--", *cmd], check=False, timeout=timeout)
+
+
+def systemd_state(name: str) -> str:
+    if state(name) != "RUNNING":
+        return "not running"
+    proc = attach(name, "systemctl", "is-system-running", timeout=10)
+    return proc.stdout.strip() or "unknown"
+
+
+def _marker(name: str) -> Path:
+    return LXC_ROOT / name / "lab-complete"
+
+
+def _destroy(name: str) -> None:
+    if state(name) == "RUNNING":
+        run(["lxc-stop", "-n", name, "-k"], check=False, timeout=60)
+    shutil.rmtree(LXC_ROOT / name, ignore_errors=True)
+
+
+def _wait_booted(name: str) -> None:
+    """Polls until systemd reports a finished boot; early attaches fail or find no bus, which is not an error."""
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    status = ""
+    while time.monotonic() < deadline:
+        status = attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
+        if status in ("running", "degraded", "maintenance", "stopping"):
+            break
+        time.sleep(0.5)
+    if status != "running":
+        failed = attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
+        raise LabError(f"container {name}: systemd is {status or 'not answering'} after {BOOT_TIMEOUT_S} s; "
+                       f"failed units: {failed or 'none'}")
+
+
+def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:
+    """Builds, repairs, reconfigures and starts one container; returns True when anything changed."""
+    changed = False
+    directory = LXC_ROOT / spec.name
+    marker = _marker(spec.name)
+    config = lxc_config(spec, settings)
+    digest = hashlib.sha256(config.encode()).hexdigest()
+
+    if directory.exists() and not marker.exists():
+        print(f"lab: {spec.name} is half-built (no completion marker); rebuilding it", flush=True)
+        _destroy(spec.name)
+    if not directory.exists():
+        tar = base_rootfs(settings)
+        partial = directory / "rootfs.partial"
+        partial.mkdir(parents=True)
+        run(["tar", "-xf", str(tar), "-C", str(partial)], timeout=300)
+        (partial / "etc" / "hostname").write_text(spec.name + "\n")
+        partial.rename(directory / "rootfs")
+        changed = True
+
+    config_path = directory / "config"
+    if not config_path.exists() or config_path.read_text() != config:
+        config_path.write_text(config)
+        if state(spec.name) == "RUNNING":  # a changed config applies at the next start only
+            run(["lxc-stop", "-n", spec.name], timeout=120)
+        changed = True
+
+    if state(spec.name) != "RUNNING":
+        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        log = settings.log_dir / f"{spec.name}.lxc.log"
+        run(["lxc-start", "-n", spec.name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)
+        changed = True
+    _wait_booted(spec.name)
+    marker.write_text(digest + "\n")
+    return changed
+
+
+def destroy_container(name: str) -> bool:
+    if not (LXC_ROOT / name).exists():
+        return False
+    _destroy(name)
+    return True

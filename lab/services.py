@@ -1,0 +1,178 @@
+"""Loopback daemons of the lab: fakepve (the Proxmox API double) and moto's S3 server.
+
+Each runs in its own session with a pid file and a log under lab_dir; `up` starts what is down,
+restarts what is up but not answering, and refuses a port that another process holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.errors import LabError
+from lab.settings import LabSettings
+
+START_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class Daemon:
+    name: str
+    argv: list[str]
+    host: str
+    port: int
+    url: str
+    port_key: str  # the inventory variable that moves it
+    # Called just before a start: writes what the daemon reads and returns its extra environment.
+    prepare: Callable[[], dict[str, str]] = field(default=dict)
+
+
+def write_secret(path: Path, value: str) -> None:
+    """Root-only file, written under a temporary name first so a reader never sees half a secret."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    os.replace(tmp, path)
+
+
+def secret(settings: LabSettings, name: str) -> str:
+    """A lab credential: random on first use, then stable for the life of the lab."""
+    path = settings.secrets_dir / name
+    if not path.exists():
+        write_secret(path, secrets.token_urlsafe(24))
+    return path.read_text()
+
+
+def fakepve(settings: LabSettings) -> Daemon:
+    state = settings.lab_dir / "fakepve" / "guests.json"
+
+    def prepare() -> dict[str, str]:
+        state.parent.mkdir(parents=True, exist_ok=True)
+        state.write_text(json.dumps({"guests": []}) + "\n")  # fakepve keeps its state in memory only
+        # The password travels in the environment, never on a command line (ps shows those).
+        return {"PVE_USER": "root@pam", "PVE_PASS": secret(settings, "pve_password")}
+
+    bindir = Path(sys.executable).parent
+    return Daemon(
+        name="fakepve",
+        argv=[str(bindir / "fakepve"), str(state), "--host", settings.fakepve_host, "--port",
+              str(settings.fakepve_port), "--time-scale", "0"],
+        host=settings.fakepve_host,
+        port=settings.fakepve_port,
+        url=f"https://{settings.fakepve_host}:{settings.fakepve_port}/api2/json/version",
+        port_key="lab_fakepve_port",
+        prepare=prepare,
+    )
+
+
+def s3(settings: LabSettings) -> Daemon:
+    bindir = Path(sys.executable).parent
+    return Daemon(
+        name="s3",
+        argv=[str(bindir / "moto_server"), "-H", settings.s3_host, "-p", str(settings.s3_port)],
+        host=settings.s3_host,
+        port=settings.s3_port,
+        url=f"http://{settings.s3_host}:{settings.s3_port}/",
+        port_key="lab_s3_port",
+    )
+
+
+def daemons(settings: LabSettings) -> list[Daemon]:
+    return [fakepve(settings), s3(settings)]
+
+
+def _pidfile(settings: LabSettings, d: Daemon) -> Path:
+    return settings.run_dir / f"{d.name}.pid"
+
+
+def _our_pid(settings: LabSettings, d: Daemon) -> int | None:
+    try:
+        pid = int(_pidfile(settings, d).read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    return pid if any(arg.endswith(Path(d.argv[0]).name.encode()) for arg in cmdline) else None
+
+
+def answering(d: Daemon) -> bool:
+    ctx = ssl._create_unverified_context()  # fakepve's certificate is self-signed
+    try:
+        urllib.request.urlopen(d.url, timeout=3, context=ctx)
+    except urllib.error.HTTPError:
+        return True  # an HTTP status (401 without a ticket) is an answer
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def port_owner(host: str, port: int) -> str | None:
+    """'PID (name)' of whatever listens on host:port, 'unknown' when something does but ss cannot say."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        if sock.connect_ex((host, port)) != 0:
+            return None
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=False).stdout
+    for part in out.split("users:((")[1:]:
+        name, pid = part.split(",")[0].strip('"'), part.split("pid=")[1].split(",")[0]
+        return f"PID {pid} ({name})"
+    return "an unknown process"
+
+
+def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
+    pid = _our_pid(settings, d)
+    if pid is not None and answering(d):
+        return False
+    if pid is not None:
+        print(f"lab: {d.name} (PID {pid}) is not answering on {d.url}; restarting it", flush=True)
+        stop_daemon(settings, d)
+    owner = port_owner(d.host, d.port)
+    if owner is not None:
+        raise LabError(f"{d.name}: {d.host}:{d.port} is already taken by {owner}; stop it or set {d.port_key} "
+                       f"in {settings.inventory}")
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = settings.log_dir / f"{d.name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(d.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **d.prepare()}, start_new_session=True)
+    _pidfile(settings, d).write_text(f"{proc.pid}\n")
+    if not _wait(lambda: proc.poll() is not None or answering(d), START_TIMEOUT_S) or proc.poll() is not None:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+        stop_daemon(settings, d)
+        raise LabError(f"{d.name}: did not come up on {d.url} within {START_TIMEOUT_S} s; {log_path}: {tail[0]}")
+    return True
+
+
+def stop_daemon(settings: LabSettings, d: Daemon) -> bool:
+    pid = _our_pid(settings, d)
+    _pidfile(settings, d).unlink(missing_ok=True)
+    if pid is None:
+        return False
+    os.killpg(pid, signal.SIGTERM)
+    if not _wait(lambda: not Path(f"/proc/{pid}").exists(), 10):
+        os.killpg(pid, signal.SIGKILL)
+    return True

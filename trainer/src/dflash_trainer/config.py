@@ -1,0 +1,418 @@
+"""The training configuration: one TOML file, checked here before anything heavy loads.
+
+Every error is a ConfigError naming the dotted key (`drafter.block_size: must be >= 2, got 1`). Checks that need
+the target read only its config.json. Relative paths resolve against the directory of the TOML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+@dataclass
+class ModelConfig:
+    target_path: Path
+
+
+@dataclass
+class DrafterConfig:
+    mask_token_id: int  # the token masked block positions carry; serving must use the same
+    num_layers: int = 5
+    block_size: int = 16
+    gamma: float | None = None  # None: the paper's value for the block size
+    # None: evenly spaced from layer 1 to L-3, one per draft layer (method.layers.target_layer_ids)
+    target_layer_ids: list[int] | None = None
+    hidden_size: int | None = None  # must equal the target's; here so a mismatching recipe fails early
+    intermediate_size: int | None = None  # None: the target's
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None  # None: all full
+    sliding_window: int | None = None
+
+
+@dataclass
+class DataConfig:
+    shards: Path
+    seq_len: int = 3072
+    max_anchors: int = 512
+    seed: int = 0
+    held_out: int = 64  # rows at the start of the sorted shards kept for evaluation, never trained on
+    shuffle_window: int = 4096  # rows shuffled together inside a shard
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    epochs: int = 6
+    batch: int = 1  # sequences per optimizer step
+
+
+@dataclass
+class LoopConfig:
+    max_steps: int | None = None  # the schedule's horizon when set; else epochs over the data
+    checkpoint_dir: Path = Path("checkpoints")
+    checkpoint_every: int = 500
+    keep_last: int = 3
+    ema_decay: float = 0.999
+    ema_every: int = 10
+    eval_every: int = 500  # 0: never
+    log_every: int = 10
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    loss_chunk: int = 2048  # block positions per chunk of the lm_head + cross-entropy
+
+
+@dataclass
+class TopologyConfig:
+    targets: int | Literal["auto"] = "auto"
+    drafters: int | Literal["auto"] = "auto"
+
+
+@dataclass
+class TrackersConfig:
+    tensorboard: Path | None = None  # log directory
+    wandb_project: str | None = None
+    wandb_run: str | None = None
+
+
+@dataclass
+class ServiceConfig:
+    status_every: int = 10  # steps between STATUS= lines
+    watchdog: bool = True  # ping WATCHDOG=1 from the loop when systemd asks for it
+    save_on_stop: bool = True  # SIGTERM saves a checkpoint, then exits 0
+
+
+@dataclass
+class TargetInfo:
+    """What the checks read from the target's config.json."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig
+    drafter: DrafterConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (paths as strings, None left out) for printing and for checkpoints."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# ---- parsing: TOML tables onto the dataclass tree, with types checked per key ----
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(json.dumps(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}[tp]
+
+
+def _convert(key: str, value: Any, tp: Any, base: Path) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:  # `X | None`: None is a default, never written in TOML; X's own error is clearer
+            return _convert(key, value, args[0], base)
+        for arg in args:
+            try:
+                return _convert(key, value, arg, base)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_convert(f"{key}[{i}]", v, typing.get_args(tp)[0], base) for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Path:
+        if isinstance(value, str) and value:
+            return (base / value).resolve() if not Path(value).is_absolute() else Path(value)
+    else:
+        raise TypeError(f"config field type {tp!r} not handled")
+    raise ConfigError(key, f"must be {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, table: Any, prefix: str, base: Path) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(prefix, f"must be a table, got {table!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in table:
+        if name not in fields:
+            raise ConfigError(f"{prefix}.{name}", f"unknown key (known: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}"
+        if name in table:
+            tp = hints[name]
+            if dataclasses.is_dataclass(tp):
+                kwargs[name] = _build(tp, table[name], key, base)
+            else:
+                kwargs[name] = _convert(key, table[name], tp, base)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(key, "required")
+    return cls(**kwargs)
+
+
+def parse_config(table: dict[str, Any], *, base: Path) -> TrainConfig:
+    """Types and keys only; `validate` checks the values."""
+    hints = typing.get_type_hints(TrainConfig)
+    sections = [f.name for f in dataclasses.fields(TrainConfig)]
+    for name in table:
+        if name not in sections:
+            raise ConfigError(name, f"unknown section (known: {', '.join(sections)})")
+    kwargs = {}
+    for name in sections:
+        if name in table:
+            kwargs[name] = _build(hints[name], table[name], name, base)
+        elif name in ("model", "data", "drafter"):
+            raise ConfigError(name, "required section missing")
+    return TrainConfig(**kwargs)
+
+
+# ---- values: ranges, then combinations, then agreement with the target ----
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(key, f"must be >= {low}, got {value}")
+
+
+def _validate_self(cfg: TrainConfig) -> None:
+    d, data, o, t = cfg.drafter, cfg.data, cfg.optim, cfg.train
+    _at_least("drafter.num_layers", d.num_layers, 1)
+    _at_least("drafter.block_size", d.block_size, 2)
+    if d.gamma is not None and d.gamma <= 0:
+        raise ConfigError("drafter.gamma", f"must be > 0, got {d.gamma}")
+    if d.layer_types is not None and len(d.layer_types) != d.num_layers:
+        raise ConfigError(
+            "drafter.layer_types", f"needs one entry per draft layer ({d.num_layers}), got {len(d.layer_types)}"
+        )
+    sliding = d.layer_types is not None and "sliding_attention" in d.layer_types
+    if sliding and d.sliding_window is None:
+        raise ConfigError("drafter.sliding_window", "required when drafter.layer_types has sliding_attention")
+    if d.sliding_window is not None:
+        _at_least("drafter.sliding_window", d.sliding_window, 1)
+        if not sliding:
+            raise ConfigError("drafter.sliding_window", "set, but no entry of drafter.layer_types is sliding")
+    if d.target_layer_ids is not None:
+        if not d.target_layer_ids:
+            raise ConfigError("drafter.target_layer_ids", "must not be empty")
+        if any(b <= a for a, b in zip(d.target_layer_ids, d.target_layer_ids[1:], strict=False)):
+            raise ConfigError("drafter.target_layer_ids", f"must be strictly increasing, got {d.target_layer_ids}")
+        _at_least("drafter.target_layer_ids[0]", d.target_layer_ids[0], 0)
+
+    _at_least("data.seq_len", data.seq_len, d.block_size + 1)
+    _at_least("data.max_anchors", data.max_anchors, 1)
+    _at_least("data.held_out", data.held_out, 0)
+    _at_least("data.shuffle_window", data.shuffle_window, 1)
+
+    if o.lr <= 0:
+        raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
+    if not 0 <= o.warmup_ratio < 1:
+        raise ConfigError("optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _at_least("optim.weight_decay", o.weight_decay, 0)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError("optim.betas", f"must be two numbers in [0, 1), got {o.betas}")
+    if o.grad_clip <= 0:
+        raise ConfigError("optim.grad_clip", f"must be > 0, got {o.grad_clip}")
+    _at_least("optim.epochs", o.epochs, 1)
+    _at_least("optim.batch", o.batch, 1)
+
+    if t.max_steps is not None:
+        _at_least("train.max_steps", t.max_steps, 1)
+    _at_least("train.checkpoint_every", t.checkpoint_every, 1)
+    _at_least("train.keep_last", t.keep_last, 1)
+    if not 0 < t.ema_decay < 1:
+        raise ConfigError("train.ema_decay", f"must be in (0, 1), got {t.ema_decay}")
+    _at_least("train.ema_every", t.ema_every, 1)
+    _at_least("train.eval_every", t.eval_every, 0)
+    _at_least("train.log_every", t.log_every, 1)
+    _at_least("train.loss_chunk", t.loss_chunk, d.block_size)
+    if t.eval_every and data.held_out == 0:
+        raise ConfigError("data.held_out", "must be > 0 when train.eval_every is set (evaluation needs rows)")
+
+    for key in ("targets", "drafters"):
+        value = getattr(cfg.topology, key)
+        if value != "auto":
+            _at_least(f"topology.{key}", value, 1)
+    _at_least("service.status_every", cfg.service.status_every, 1)
+
+
+def read_target_info(target_path: Path) -> TargetInfo:
+    """The few numbers the checks need, from config.json alone (no weights, no transformers)."""
+    path = target_path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("model.target_path", f"no config.json in {target_path}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("model.target_path", f"cannot read {path}: {e}") from None
+    text = raw.get("text_config", raw)  # multimodal Qwen3.5/3.6 checkpoints nest the language model
+    try:
+        return TargetInfo(
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+        )
+    except KeyError as e:
+        raise ConfigError("model.target_path", f"{path} has no {e.args[0]}") from None
+
+
+def _validate_against_target(cfg: TrainConfig, target: TargetInfo) -> None:
+    """Checks the drafter against the target and fills the values that default to the target's."""
+    from dflash_trainer.method.layers import target_layer_ids
+
+    d = cfg.drafter
+    if d.hidden_size is not None and d.hidden_size != target.hidden_size:
+        raise ConfigError(
+            "drafter.hidden_size", f"must equal the target's hidden size {target.hidden_size}, got {d.hidden_size}"
+        )
+    d.hidden_size = target.hidden_size
+    if d.intermediate_size is None:
+        d.intermediate_size = target.intermediate_size
+    _at_least("drafter.intermediate_size", d.intermediate_size, 1)
+
+    if d.target_layer_ids is None:
+        # One context layer per draft layer, spread over layers 1..L-3; a shallow target repeats layers.
+        try:
+            ids = target_layer_ids(target.num_layers, d.num_layers)
+        except ValueError as e:
+            raise ConfigError("drafter.num_layers", str(e)) from None
+        if len(set(ids)) < len(ids):
+            raise ConfigError(
+                "drafter.num_layers",
+                f"{d.num_layers} context layers spread over a {target.num_layers}-layer target repeat layers "
+                f"({ids}); use fewer draft layers or set drafter.target_layer_ids",
+            )
+        d.target_layer_ids = ids
+    if len(d.target_layer_ids) > target.num_layers:
+        raise ConfigError(
+            "drafter.target_layer_ids",
+            f"{len(d.target_layer_ids)} layers, more than the target's {target.num_layers}",
+        )
+    if d.target_layer_ids[-1] >= target.num_layers:
+        raise ConfigError(
+            "drafter.target_layer_ids",
+            f"layer {d.target_layer_ids[-1]} does not exist: the target has layers 0..{target.num_layers - 1}",
+        )
+
+    if not 0 <= d.mask_token_id < target.vocab_size:
+        raise ConfigError(
+            "drafter.mask_token_id", f"must be a token id in [0, {target.vocab_size}), got {d.mask_token_id}"
+        )
+
+
+def _fill_defaults(cfg: TrainConfig) -> None:
+    from dflash_trainer.method.loss import gamma_for_block_size
+
+    d = cfg.drafter
+    if d.gamma is None:
+        try:
+            d.gamma = gamma_for_block_size(d.block_size)
+        except ValueError as e:
+            raise ConfigError("drafter.gamma", str(e)) from None
+    if d.layer_types is None:
+        d.layer_types = ["full_attention"] * d.num_layers
+
+
+def validate(cfg: TrainConfig, *, target: TargetInfo | None) -> TrainConfig:
+    """Checks every value and resolves the defaults. With target=None, checks needing the target are skipped."""
+    _validate_self(cfg)
+    if target is not None:
+        _validate_against_target(cfg, target)
+    _fill_defaults(cfg)
+    return cfg
+
+
+def _check_shards(cfg: TrainConfig) -> None:
+    from dflash_trainer.data.shards import DataError, list_shards
+
+    if not cfg.data.shards.is_dir():
+        raise ConfigError("data.shards", f"no such directory: {cfg.data.shards}")
+    try:
+        list_shards(cfg.data.shards)
+    except DataError as e:
+        raise ConfigError("data.shards", str(e)) from None
+
+
+def load_config(path: str | Path, *, check_paths: bool = True) -> TrainConfig:
+    """Reads, type-checks and validates one TOML file.
+
+    check_paths=False skips what needs the machine the run is for: the target's config.json and the shards.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(str(path), "no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), f"not valid TOML: {e}") from None
+    cfg = parse_config(table, base=path.resolve().parent)
+    target = read_target_info(cfg.model.target_path) if check_paths else None
+    validate(cfg, target=target)
+    if check_paths:
+        _check_shards(cfg)
+    return cfg

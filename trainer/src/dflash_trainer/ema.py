@@ -1,0 +1,72 @@
+"""Exponential moving average of the drafter's weights, kept in host memory in fp32.
+
+A second copy of a 1.7B-parameter drafter on the GPU is what once ran a training job out of memory, so the
+average lives on the CPU only. Every `every` steps the weights are copied device-to-host without blocking into
+pinned staging buffers (on the training stream, so the copy sees exactly this step's weights and the next
+optimizer step waits for it); the fp32 fold runs in a worker thread after the copy's event, overlapping the
+next steps. Folding is deferred, never skipped: `state_dict` and the next update wait for it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+
+class CpuEma:
+    def __init__(self, module: nn.Module, *, decay: float, every: int) -> None:
+        self.decay = decay
+        self.every = every
+        self.num_updates = 0
+        params = dict(module.named_parameters())
+        self.shadow = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in params.items()}
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
+        self._staging = {
+            name: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for name, p in params.items()
+        }
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
+        self._pending: Future | None = None
+
+    def update(self, module: nn.Module, step: int) -> None:
+        """Called after each optimizer step; folds the weights in every `every` steps."""
+        if step % self.every:
+            return
+        self.wait()
+        for name, p in module.named_parameters():
+            self._staging[name].copy_(p.detach(), non_blocking=True)
+        event = None
+        if any(p.is_cuda for p in module.parameters()):
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = self._worker.submit(self._fold, event)
+
+    def _fold(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()
+        for name, shadow in self.shadow.items():
+            shadow.lerp_(self._staging[name].float(), 1.0 - self.decay)
+        self.num_updates += 1
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()  # re-raises a failure of the fold here, in the training thread
+            self._pending = None
+
+    def state_dict(self) -> dict:
+        self.wait()
+        return {"decay": self.decay, "every": self.every, "num_updates": self.num_updates, "shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.wait()
+        if state["shadow"].keys() != self.shadow.keys():
+            raise ValueError("EMA state does not match the drafter's parameters")
+        for name, tensor in state["shadow"].items():
+            self.shadow[name].copy_(tensor)
+        self.num_updates = state["num_updates"]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The averaged parameters (fp32, CPU), by parameter name."""
+        self.wait()
+        return self.shadow
