@@ -10,7 +10,15 @@ import pytest
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.data.synth import write_shard
 
-TARGET = {"num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 17408, "vocab_size": 248320}
+TARGET = {
+    "num_hidden_layers": 64,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "vocab_size": 248320,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+}
 
 
 def _toml_value(v) -> str:
@@ -80,6 +88,8 @@ def test_defaults_resolve_against_the_target(tmp_path):
             "drafter.sliding_window: required",
         ),
         ({"drafter": {"sliding_window": 2048}}, "drafter.sliding_window: set, but no entry"),
+        ({"drafter": {"num_attention_heads": 32, "num_key_value_heads": 5}}, "drafter.num_key_value_heads: must"),
+        ({"drafter": {"num_key_value_heads": 5}}, "drafter.num_key_value_heads: must divide the 24 query heads"),
         ({"data": {"seq_len": 16}}, "data.seq_len: must be >= 17"),
         ({"data": {"held_out": 0}}, "data.held_out: must be > 0 when train.eval_every is set"),
         ({"optim": {"warmup_ratio": 1.0}}, "optim.warmup_ratio: must be in [0, 1)"),

@@ -40,6 +40,11 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     hidden_size: int | None = None  # must equal the target's; here so a mismatching recipe fails early
     intermediate_size: int | None = None  # None: the target's
+    # Attention shape; None: the target's. The reference drafter (32 x 128) differs from its target (24 x 256).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None  # None: the target's
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None  # None: all full
     sliding_window: int | None = None
 
@@ -112,6 +117,9 @@ class TargetInfo:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 @dataclass
@@ -253,6 +261,16 @@ def _validate_self(cfg: TrainConfig) -> None:
         _at_least("drafter.sliding_window", d.sliding_window, 1)
         if not sliding:
             raise ConfigError("drafter.sliding_window", "set, but no entry of drafter.layer_types is sliding")
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        if getattr(d, key) is not None:
+            _at_least(f"drafter.{key}", getattr(d, key), 1)
+    if d.num_attention_heads and d.num_key_value_heads and d.num_attention_heads % d.num_key_value_heads:
+        raise ConfigError(
+            "drafter.num_key_value_heads",
+            f"must divide drafter.num_attention_heads ({d.num_attention_heads}), got {d.num_key_value_heads}",
+        )
+    if d.rope_theta is not None and d.rope_theta <= 0:
+        raise ConfigError("drafter.rope_theta", f"must be > 0, got {d.rope_theta}")
     if d.target_layer_ids is not None:
         if not d.target_layer_ids:
             raise ConfigError("drafter.target_layer_ids", "must not be empty")
@@ -315,6 +333,9 @@ def read_target_info(target_path: Path) -> TargetInfo:
             hidden_size=int(text["hidden_size"]),
             intermediate_size=int(text["intermediate_size"]),
             vocab_size=int(text["vocab_size"]),
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
         )
     except KeyError as e:
         raise ConfigError("model.target_path", f"{path} has no {e.args[0]}") from None
@@ -333,6 +354,14 @@ def _validate_against_target(cfg: TrainConfig, target: TargetInfo) -> None:
     if d.intermediate_size is None:
         d.intermediate_size = target.intermediate_size
     _at_least("drafter.intermediate_size", d.intermediate_size, 1)
+    d.num_attention_heads = d.num_attention_heads or target.num_attention_heads
+    d.num_key_value_heads = d.num_key_value_heads or target.num_key_value_heads
+    d.head_dim = d.head_dim or target.head_dim
+    if d.num_attention_heads % d.num_key_value_heads:
+        raise ConfigError(
+            "drafter.num_key_value_heads",
+            f"must divide the {d.num_attention_heads} query heads, got {d.num_key_value_heads}",
+        )
 
     if d.target_layer_ids is None:
         # One context layer per draft layer, spread over layers 1..L-3; a shallow target repeats layers.

@@ -1,0 +1,134 @@
+"""The frozen target: load from a local checkpoint directory, capture the chosen layers' outputs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3NextForCausalLM,
+)
+
+from dflash_trainer.model.kernels import install_device_dispatch
+
+# model_type of the text config -> causal LM class. The Qwen3.5/3.6 conditional-generation checkpoints
+# (model_type "qwen3_5", weights under model.language_model.*) load their text config into
+# Qwen3_5ForCausalLM; transformers' loader maps the prefix and skips the vision tower.
+CAUSAL_LM_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+}
+
+
+@dataclass
+class TargetBatch:
+    input_ids: torch.Tensor  # Long[B,T]
+    loss_mask: torch.Tensor  # Bool[B,T]: supervised tokens
+    context: torch.Tensor  # [B,T,K*H]: outputs of the target layers, in target_layer_ids order
+
+
+def read_text_config(path: str | Path) -> PreTrainedConfig:
+    """The language model's config, also when it sits inside a multimodal wrapper's config."""
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    text = cfg.get_text_config()
+    if text.model_type not in CAUSAL_LM_CLASSES:
+        raise ValueError(f"{path}: unsupported target model_type {text.model_type!r} (from {cfg.model_type!r})")
+    return text
+
+
+def _truncated(cfg: PreTrainedConfig, num_layers: int) -> PreTrainedConfig:
+    """Config with only the first layers: the forward then ends at the last captured layer."""
+    short = copy.deepcopy(cfg)
+    short.num_hidden_layers = num_layers
+    if getattr(short, "layer_types", None) is not None:
+        short.layer_types = list(short.layer_types[:num_layers])
+    return short
+
+
+class TargetModel:
+    """A frozen target truncated after its last needed layer; forward hooks collect the features."""
+
+    def __init__(self, model: PreTrainedModel, config: PreTrainedConfig, layer_ids: list[int]) -> None:
+        self.model = model
+        self.config = config
+        self.layer_ids = list(layer_ids)
+        self.num_layers: int = config.num_hidden_layers
+        self.hidden_size: int = config.hidden_size
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.lm_head
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = model.model.layers
+        for i in self.layer_ids:
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, index: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            # A decoder layer's own output, i.e. HF's hidden_states[index + 1] (never the post-norm entry).
+            self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> TargetBatch:
+        """Run the (truncated) decoder stack; no LM head. loss_mask defaults to attention_mask."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        self._captured.clear()
+        try:
+            self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
+            context = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._captured.clear()
+        mask = attention_mask if loss_mask is None else loss_mask
+        return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
+
+
+def load_target(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    layer_ids: list[int],
+) -> TargetModel:
+    """Load a Qwen3 / Qwen3.5 (plain or VL wrapper) / Qwen3-Next target from safetensors + config.json.
+
+    Frozen and in eval mode; bf16 on CUDA and fp32 elsewhere unless `dtype` says otherwise. Layers after
+    max(layer_ids) are neither built nor loaded.
+    """
+    device = torch.device(device)
+    cfg = read_text_config(path)
+    if not layer_ids or any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
+        raise ValueError(f"layer_ids {layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    install_device_dispatch()
+    cls = CAUSAL_LM_CLASSES[cfg.model_type]
+    model = cls.from_pretrained(
+        str(path),
+        config=_truncated(cfg, max(layer_ids) + 1),
+        dtype=dtype,
+        local_files_only=True,
+        attn_implementation="sdpa",
+    )
+    # Loaded on the host, then moved: device_map would need `accelerate`, which the trainer does not pin.
+    model.to(device).eval().requires_grad_(False)
+    return TargetModel(model, cfg, layer_ids)
