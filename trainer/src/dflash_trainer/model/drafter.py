@@ -103,6 +103,32 @@ class DrafterSpec:
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
+    @classmethod
+    def from_config_dict(cls, cfg: dict[str, Any]) -> DrafterSpec:
+        """Inverse of config_dict (reads an exported config.json)."""
+        dflash = cfg["dflash_config"]
+        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            vocab_size=cfg["vocab_size"],
+            num_target_layers=cfg["num_target_layers"],
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            block_size=cfg["block_size"],
+            mask_token_id=dflash["mask_token_id"],
+            layer_types=list(cfg["layer_types"]),
+            sliding_window=cfg.get("sliding_window"),
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_parameters=dict(rope),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            hidden_act=cfg.get("hidden_act", "silu"),
+            initializer_range=cfg.get("initializer_range", 0.02),
+        )
+
     def to_qwen3_config(self) -> Qwen3Config:
         """The Qwen3Config serving builds from the exported config.json (also feeds our rotary embedding)."""
         return Qwen3Config(**self.config_dict())

@@ -18,6 +18,8 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
+from transformers.utils import logging as hf_logging
+
 from dflash_trainer.model.kernels import install_device_dispatch
 
 # model_type of the text config -> causal LM class. The Qwen3.5/3.6 conditional-generation checkpoints
@@ -122,13 +124,22 @@ def load_target(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     install_device_dispatch()
     cls = CAUSAL_LM_CLASSES[cfg.model_type]
-    model = cls.from_pretrained(
-        str(path),
-        config=_truncated(cfg, max(layer_ids) + 1),
-        dtype=dtype,
-        local_files_only=True,
-        attn_implementation="sdpa",
-    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the skipped later layers and vision tower are reported as unexpected
+    try:
+        model, info = cls.from_pretrained(
+            str(path),
+            config=_truncated(cfg, max(layer_ids) + 1),
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation="sdpa",
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        # A target with randomly initialised weights would train a useless drafter without any error.
+        raise ValueError(f"{path}: missing {info['missing_keys']}, mismatched {info['mismatched_keys']}")
     # Loaded on the host, then moved: device_map would need `accelerate`, which the trainer does not pin.
     model.to(device).eval().requires_grad_(False)
     return TargetModel(model, cfg, layer_ids)
