@@ -34,20 +34,6 @@ def write_shard(path: Path, rows: Sequence[tuple[Sequence[int], Sequence[int]]])
     return path
 
 
-@torch.no_grad()
-def greedy_continue(logits_fn, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Appends `new_tokens` greedy tokens to Long[B,P] prompts; logits_fn(ids) -> Float[B,T,V].
-
-    Recomputes the whole prefix each step (no cache): the synthetic sequences are short, and this keeps the
-    path the same as the target's plain forward.
-    """
-    ids = prompts
-    for _ in range(new_tokens):
-        next_token = logits_fn(ids)[:, -1].argmax(dim=-1, keepdim=True)
-        ids = torch.cat([ids, next_token], dim=1)
-    return ids
-
-
 def synth_shards(
     target_dir: Path,
     out_dir: Path,
@@ -58,16 +44,39 @@ def synth_shards(
     seed: int,
     prompt_len: int | None = None,
     batch: int = 16,
+    vocab_size: int | None = None,
 ) -> list[Path]:
     """Writes num_shards shards of `rows` rows each (seq_len tokens: a random prompt, then the target's greedy
-    continuation). Deterministic from the seed; returns the shard paths."""
-    from dflash_trainer.model.target import load_target
+    continuation). Deterministic from the seed; returns the shard paths.
+
+    Prompt tokens are drawn below `vocab_size` (default: the target's), so a reserved id such as a tiny
+    target's mask token can be kept out of the prompts.
+    """
+    from dflash_trainer.model.target import load_target, read_text_config
 
     prompt_len = prompt_len or max(1, seq_len // 4)
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len} for seq_len {seq_len}")
-    target = load_target(Path(target_dir), device="cpu", dtype=torch.float32, layer_ids=[0])
-    vocab = target.config.vocab_size
+    if vocab_size is None:
+        vocab_size = read_text_config(target_dir).vocab_size
+    num_layers = read_text_config(target_dir).num_hidden_layers
+    # Capturing the last layer keeps every layer loaded, so the causal LM's logits are the full target's.
+    target = load_target(Path(target_dir), device="cpu", dtype=torch.float32, layer_ids=[num_layers - 1])
+
+    @torch.no_grad()
+    def continue_greedily(prompts: torch.Tensor) -> torch.Tensor:
+        # No end-of-sequence stop: every row is the target's greedy argmax chain, seq_len tokens long.
+        new = seq_len - prompt_len
+        out = target.model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.shape[1] == seq_len, out.shape
+        return out
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
@@ -77,8 +86,8 @@ def synth_shards(
         shard_rows = []
         for start in range(0, rows, batch):
             n = min(batch, rows - start)
-            prompts = torch.randint(0, vocab, (n, prompt_len), generator=generator)
-            ids = greedy_continue(target.logits, prompts, seq_len - prompt_len)
+            prompts = torch.randint(0, vocab_size, (n, prompt_len), generator=generator)
+            ids = continue_greedily(prompts)
             shard_rows.extend((row.tolist(), mask) for row in ids)
         paths.append(write_shard(out_dir / f"shard-{shard:05d}.arrow", shard_rows))
     return paths
