@@ -1,0 +1,49 @@
+"""Shared fixtures: one thread (2 shared CPU cores), tiny targets written once per session, a tiny spec."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_target(kind) -> directory of a seed-0 tiny target of that kind, written on first use."""
+    from dflash_trainer.model.tiny import write_tiny_target
+
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = write_tiny_target(tmp_path_factory.mktemp(f"tiny_{kind}"), kind=kind, seed=0)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture
+def small_spec():
+    """A 2-layer drafter (one sliding layer with a window shorter than the test contexts) for an 8-layer target."""
+    from dflash_trainer.model.drafter import DrafterSpec
+
+    return DrafterSpec(
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        num_target_layers=8,
+        target_layer_ids=[1, 5],
+        block_size=4,
+        mask_token_id=511,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )

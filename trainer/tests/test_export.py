@@ -1,0 +1,64 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_trainer.export import check_export, export_draft, load_draft
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
+from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+
+
+def test_config_and_weights(small_spec, tmp_path) -> None:
+    drafter = DFlashDrafter(small_spec)
+    export_draft(drafter.state_dict(), small_spec, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 5]}
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 8 and cfg["vocab_size"] == 512
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 10000.0
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 6
+    assert cfg["is_causal"] is False
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(drafter.state_dict())
+        assert not any("embed" in k or "lm_head" in k for k in f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert DrafterSpec.from_config_dict(cfg) == small_spec
+
+
+def test_rejects_foreign_weights(small_spec, tmp_path) -> None:
+    state = DFlashDrafter(small_spec).state_dict() | {"embed_tokens.weight": torch.zeros(512, 64)}
+    with pytest.raises(ValueError, match="embed_tokens"):
+        export_draft(state, small_spec, tmp_path)
+
+
+def test_check_export(small_spec, tmp_path) -> None:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(small_spec)
+    head = torch.nn.Linear(64, 512, bias=False)
+    export_draft(drafter.state_dict(), small_spec, tmp_path / "fp32", dtype=torch.float32)
+    export_draft(drafter.state_dict(), small_spec, tmp_path / "bf16")
+    assert check_export(tmp_path / "fp32", drafter, lm_head=head) < 1e-5
+    assert 0 < check_export(tmp_path / "bf16", drafter, lm_head=head) < 0.1
+    assert drafter.fc.weight.dtype == torch.float32  # checking never converts the training model
+    assert load_draft(tmp_path / "bf16").fc.weight.dtype == torch.bfloat16
+
+
+def test_dflash_generate_equals_target_greedy(tiny_target, tmp_path) -> None:
+    dflash_model = pytest.importorskip("dflash.model")
+    from transformers import Qwen3ForCausalLM
+
+    path = tiny_target("qwen3")
+    target = Qwen3ForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
+    spec = DrafterSpec.from_target_config(target.config, 2, 4, TINY_MASK_TOKEN_ID)
+    torch.manual_seed(0)
+    export_draft(DFlashDrafter(spec).state_dict(), spec, tmp_path, dtype=torch.float32)
+    draft = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
+    prompt = torch.randint(0, TINY_MASK_TOKEN_ID, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    out = dflash_model.dflash_generate(draft, target, prompt, max_new_tokens=12, stop_token_ids=None)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, target(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids)

@@ -1,0 +1,60 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trainer.method.loss import chunked_block_loss, gamma_for_block_size, position_weights
+
+
+def test_gamma_table_and_override() -> None:
+    assert [gamma_for_block_size(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    with pytest.raises(ValueError, match="block_size 12"):
+        gamma_for_block_size(12)
+
+
+def test_position_weights() -> None:
+    w = position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    assert w[15].item() == pytest.approx(math.exp(-14 / 7))
+    assert torch.all(w[2:] < w[1:-1])
+
+
+def _case(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 12, 16, generator=gen, requires_grad=True)
+    head = torch.randn(50, 16, generator=gen)
+    labels = torch.randint(0, 50, (2, 12), generator=gen)
+    weight = torch.rand(2, 12, generator=gen) * (torch.rand(2, 12, generator=gen) > 0.3)
+    return hidden, head, labels, weight
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 100])
+def test_chunked_equals_unchunked_value_and_grad(chunk: int) -> None:
+    hidden, head, labels, weight = _case(0)
+    ce = F.cross_entropy((hidden @ head.t()).flatten(0, 1), labels.flatten(), reduction="none")
+    reference = (ce * weight.flatten()).sum() / weight.sum()
+    (ref_grad,) = torch.autograd.grad(reference, hidden)
+
+    loss, stats = chunked_block_loss(hidden, head, labels, weight, chunk)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(grad, ref_grad)
+    assert stats.num_tokens == int((weight > 0).sum())
+    greedy = (hidden @ head.t()).argmax(-1)
+    assert torch.equal(stats.predictions[weight > 0], greedy[weight > 0])
+    assert (stats.predictions[weight == 0] == -1).all()
+
+
+def test_ignored_labels_are_never_indexed() -> None:
+    hidden, head, labels, weight = _case(1)
+    labels = torch.where(weight > 0, labels, -100)
+    loss, _ = chunked_block_loss(hidden, head, labels, weight, 4)
+    assert torch.isfinite(loss)
+
+
+def test_no_supervised_position_gives_zero_with_graph() -> None:
+    hidden, head, labels, _ = _case(2)
+    loss, stats = chunked_block_loss(hidden, head, labels, torch.zeros(2, 12), 4)
+    loss.backward()
+    assert loss.item() == 0.0 and stats.num_tokens == 0 and hidden.grad is not None

@@ -1,0 +1,68 @@
+import hashlib
+
+import pytest
+import torch
+from transformers import Qwen3_5ForConditionalGeneration
+
+from dflash_trainer.model.target import CAUSAL_LM_CLASSES, load_target, read_text_config
+from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID, write_tiny_target
+
+LAYER_IDS = [1, 3, 5]
+
+
+def _reference_hidden_states(path, kind: str, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """HF's own full model; for the wrapper, the conditional-generation class the 27B checkpoints use."""
+    if kind == "qwen3_5_vl_wrapper":
+        model = Qwen3_5ForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
+    else:
+        cfg = read_text_config(path)
+        model = CAUSAL_LM_CLASSES[cfg.model_type].from_pretrained(str(path), local_files_only=True)
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_capture_equals_layer_outputs(tiny_target, kind: str) -> None:
+    path = tiny_target(kind)
+    target = load_target(path, layer_ids=LAYER_IDS)
+    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (2, 20), generator=torch.Generator().manual_seed(0))
+    batch = target.capture(ids)
+    hs = _reference_hidden_states(path, kind, ids)
+    # hidden_states[i + 1] is layer i's output; using hidden_states[i] (ids off by one) must not match.
+    expected = torch.cat([hs[i + 1] for i in LAYER_IDS], dim=-1)
+    off_by_one = torch.cat([hs[i] for i in LAYER_IDS], dim=-1)
+    torch.testing.assert_close(batch.context, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(batch.context, off_by_one, atol=1e-3)
+    assert batch.loss_mask.all() and torch.equal(batch.input_ids, ids)
+
+
+def test_frozen_truncated_and_shaped(tiny_target) -> None:
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    assert target.num_layers == 8 and target.hidden_size == 64
+    assert len(target.model.model.layers) == max(LAYER_IDS) + 1  # later layers are never run
+    assert not target.model.training
+    assert not any(p.requires_grad for p in target.model.parameters())
+    assert target.embed_tokens.weight.shape == target.lm_head.weight.shape == (512, 64)
+    assert target.embed_tokens.weight.dtype == torch.float32  # CPU default
+
+
+def test_loss_mask_passes_through(tiny_target) -> None:
+    target = load_target(tiny_target("qwen3"), layer_ids=[2])
+    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (1, 10))
+    loss_mask = torch.zeros(1, 10, dtype=torch.bool)
+    loss_mask[0, 4:] = True
+    batch = target.capture(ids, loss_mask=loss_mask)
+    assert torch.equal(batch.loss_mask, loss_mask) and batch.context.shape == (1, 10, 64)
+
+
+def test_rejects_layer_ids_outside_target(tiny_target) -> None:
+    with pytest.raises(ValueError, match="outside"):
+        load_target(tiny_target("qwen3"), layer_ids=[1, 8])
+
+
+def test_tiny_target_is_deterministic_from_seed(tmp_path) -> None:
+    def digest(seed: int, name: str) -> str:
+        out = write_tiny_target(tmp_path / name, kind="qwen3", seed=seed)
+        return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+
+    assert digest(3, "a") == digest(3, "b") != digest(4, "c")
