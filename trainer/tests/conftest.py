@@ -28,7 +28,7 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
 @pytest.fixture
 def small_spec():
-    """A 2-layer drafter (one sliding layer with a window shorter than the test contexts) for an 8-layer target."""
+    """2-layer drafter for an 8-layer target; its sliding window (6) is shorter than the test contexts."""
     from dflash_trainer.model.drafter import DrafterSpec
 
     return DrafterSpec(

@@ -1,6 +1,6 @@
 import torch
 
-from dflash_trainer.method.acceptance import accepted_run, acceptance_length
+from dflash_trainer.method.acceptance import acceptance_length, accepted_run
 
 
 def test_run_stops_at_first_mismatch_and_ignores_slot_zero() -> None:

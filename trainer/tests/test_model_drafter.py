@@ -46,7 +46,9 @@ def test_training_forward_equals_dflash_per_block(small_spec, tmp_path) -> None:
     context, noise, valid = _inputs(small_spec)
     with torch.no_grad():
         ours = drafter.forward_blocks(context, noise, ANCHORS, valid)
-    torch.testing.assert_close(ours, _served(served, context, noise, small_spec.block_size), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        ours, _served(served, context, noise, small_spec.block_size), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_blocks_are_isolated_and_context_is_causal_to_anchor(small_spec) -> None:

@@ -66,3 +66,17 @@ def test_tiny_target_is_deterministic_from_seed(tmp_path) -> None:
         return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
 
     assert digest(3, "a") == digest(3, "b") != digest(4, "c")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_fla_kernels_on_cuda_match_torch_fallback_on_cpu(tiny_target, kind: str) -> None:
+    pytest.importorskip("fla")
+    path = tiny_target(kind)
+    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (2, 40), generator=torch.Generator().manual_seed(0))
+    cpu = load_target(path, layer_ids=LAYER_IDS).capture(ids).context
+    gpu = (
+        load_target(path, device="cuda", dtype=torch.float32, layer_ids=LAYER_IDS).capture(ids.cuda()).context
+    )
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=2e-3, atol=2e-3)

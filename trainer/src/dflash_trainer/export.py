@@ -33,7 +33,9 @@ def export_draft(
     names = set(drafter_state)
     expected = expected_weight_names(spec)
     if names != expected:
-        raise ValueError(f"drafter state does not match the format: extra {names - expected}, missing {expected - names}")
+        raise ValueError(
+            f"drafter state does not match the format: extra {names - expected}, missing {expected - names}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter_state.items()}

@@ -42,7 +42,9 @@ class DrafterSpec:
     layer_types: list[str]
     sliding_window: int | None = None
     rms_norm_eps: float = 1e-6
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
+    )
     max_position_embeddings: int = 32768
     hidden_act: str = "silu"
     initializer_range: float = 0.02
@@ -55,7 +57,9 @@ class DrafterSpec:
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need sliding_window")
         if any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}")
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}"
+            )
         if "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters needs rope_theta")
 
@@ -164,7 +168,10 @@ class DrafterSpec:
             "is_causal": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
         }
 
 
@@ -286,7 +293,9 @@ class DFlashDrafter(nn.Module):
         ctx_pos = torch.arange(ctx_len, device=context.device).expand(bsz, ctx_len)
         positions = torch.cat([ctx_pos, block_positions(anchors, bs)], dim=1)
         masks = {
-            t: block_attention_mask(anchors, valid, ctx_len, bs, self.spec.sliding_window if t == SLIDING else None)
+            t: block_attention_mask(
+                anchors, valid, ctx_len, bs, self.spec.sliding_window if t == SLIDING else None
+            )
             for t in set(self.spec.layer_types)
         }
         return self.forward(context, noise_embedding, positions, masks)

@@ -17,7 +17,6 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3NextForCausalLM,
 )
-
 from transformers.utils import logging as hf_logging
 
 from dflash_trainer.model.kernels import install_device_dispatch
@@ -44,7 +43,9 @@ def read_text_config(path: str | Path) -> PreTrainedConfig:
     cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     text = cfg.get_text_config()
     if text.model_type not in CAUSAL_LM_CLASSES:
-        raise ValueError(f"{path}: unsupported target model_type {text.model_type!r} (from {cfg.model_type!r})")
+        raise ValueError(
+            f"{path}: unsupported target model_type {text.model_type!r} (from {cfg.model_type!r})"
+        )
     return text
 
 

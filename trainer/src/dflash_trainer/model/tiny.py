@@ -47,17 +47,27 @@ _LINEAR: dict[str, Any] = {
 
 def _build(kind: str) -> PreTrainedModel:
     if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(**_BASE, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+        return Qwen3ForCausalLM(
+            Qwen3Config(**_BASE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        )
     if kind == "qwen3_5":
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_BASE, **_LINEAR))
     if kind == "qwen3_5_vl_wrapper":
         # The layout of the published Qwen3.5/3.6 27B checkpoints: text under model.language_model.*.
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
         text = Qwen3_5TextConfig(**_BASE, **_LINEAR).to_dict()
         return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
     if kind == "qwen3_next":
         moe = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
-        return Qwen3NextForCausalLM(Qwen3NextConfig(**_BASE, **_LINEAR, **moe, num_experts=4, num_experts_per_tok=2))
+        return Qwen3NextForCausalLM(
+            Qwen3NextConfig(**_BASE, **_LINEAR, **moe, num_experts=4, num_experts_per_tok=2)
+        )
     raise ValueError(f"unknown tiny target kind {kind!r}; choose from {TINY_KINDS}")
 
 
