@@ -1,1 +1,1 @@
-"""The local lab: real LXC containers, fakepve and moto's S3 on loopback, standing in for a Proxmox GPU host."""
+"""The local lab: real LXC containers, fakepve and moto S3 on loopback, standing in for a Proxmox GPU host."""

@@ -39,8 +39,11 @@ def down(settings: LabSettings) -> None:
         print(f"lab: {daemon.name:<20} {'stopped' if stopped else 'not running'}")
     shutil.rmtree(settings.lab_dir, ignore_errors=True)
     print(f"lab: removed {settings.lab_dir}")
-    leftovers = [f"{d.host}:{d.port} ({owner})" for d in services.daemons(settings)
-                 if (owner := services.port_owner(d.host, d.port))]
+    leftovers = [
+        f"{d.host}:{d.port} ({owner})"
+        for d in services.daemons(settings)
+        if (owner := services.port_owner(d.host, d.port))
+    ]
     if leftovers:
         raise LabError(f"lab ports still held after lab-down: {', '.join(leftovers)}")
 
@@ -57,8 +60,13 @@ def status(settings: LabSettings) -> bool:
     listing = seed.bucket_listing(settings) if s3_up else []
     shards = [key for key in listing if key.startswith(seed.SHARDS_PREFIX) and key.endswith(".arrow")]
     model = [key for key in listing if key.startswith(seed.MODEL_PREFIX)]
-    rows.append((f"bucket {settings.s3_bucket}", bool(shards and model),
-                 f"{len(shards)} shards, {len(model)} model files"))
+    rows.append(
+        (
+            f"bucket {settings.s3_bucket}",
+            bool(shards and model),
+            f"{len(shards)} shards, {len(model)} model files",
+        )
+    )
     for name, ok, detail in rows:
         print(f"{name:<22} {'up  ' if ok else 'DOWN'}  {detail}")
     return all(ok for _, ok, _ in rows)
@@ -81,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab {args.command}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"lab {args.command}: interrupted; `make lab` repairs what was left half-built", file=sys.stderr)
+        print(
+            f"lab {args.command}: interrupted; `make lab` repairs what was left half-built", file=sys.stderr
+        )
         return 130
     return 0

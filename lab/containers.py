@@ -19,12 +19,24 @@ from lab.settings import ContainerSpec, LabSettings
 
 LXC_ROOT = Path("/var/lib/lxc")
 # python3 and python3-apt: Ansible's modules; dbus: systemctl talks to PID 1 through it.
-BASE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "python3", "python3-apt", "ca-certificates", "iproute2", "procps",
-                 "kmod", "less"]
+BASE_PACKAGES = [
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "python3",
+    "python3-apt",
+    "ca-certificates",
+    "iproute2",
+    "procps",
+    "kmod",
+    "less",
+]
 BOOT_TIMEOUT_S = 90
 
 
-def run(cmd: list[str], *, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], *, check: bool = True, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()
@@ -40,8 +52,18 @@ def base_rootfs(settings: LabSettings) -> Path:
     tar.parent.mkdir(parents=True, exist_ok=True)
     partial = tar.with_suffix(".partial.tar")
     print(f"lab: building the {settings.suite} root filesystem with mmdebstrap (about 30 s)", flush=True)
-    run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", settings.suite,
-         str(partial), settings.mirror], timeout=900)
+    run(
+        [
+            "mmdebstrap",
+            "--quiet",
+            "--variant=minbase",
+            f"--include={','.join(BASE_PACKAGES)}",
+            settings.suite,
+            str(partial),
+            settings.mirror,
+        ],
+        timeout=900,
+    )
     partial.rename(tar)
     return tar
 
@@ -59,7 +81,9 @@ def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
     ]
     if spec.shm_size_mb is not None:
         # The entry Proxmox writes for a sized /dev/shm: tmpfs pages count against the memory limit below.
-        lines.append(f"lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,size={spec.shm_size_mb}m,create=dir 0 0")
+        lines.append(
+            f"lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,size={spec.shm_size_mb}m,create=dir 0 0"
+        )
     if spec.memory_mb is not None:
         # cgroup v1 line: this machine's hybrid layout ignores cgroup2 limit lines.
         lines.append(f"lxc.cgroup.memory.limit_in_bytes = {spec.memory_mb}M")
@@ -105,7 +129,7 @@ def _destroy(name: str) -> None:
 
 
 def _wait_booted(name: str) -> None:
-    """Polls until systemd reports a finished boot; early attaches fail or find no bus, which is not an error."""
+    """Polls until systemd reports a finished boot; early attaches fail or find no bus: not an error."""
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     status = ""
     while time.monotonic() < deadline:
@@ -115,8 +139,10 @@ def _wait_booted(name: str) -> None:
         time.sleep(0.5)
     if status != "running":
         failed = attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
-        raise LabError(f"container {name}: systemd is {status or 'not answering'} after {BOOT_TIMEOUT_S} s; "
-                       f"failed units: {failed or 'none'}")
+        raise LabError(
+            f"container {name}: systemd is {status or 'not answering'} after {BOOT_TIMEOUT_S} s; "
+            f"failed units: {failed or 'none'}"
+        )
 
 
 def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:

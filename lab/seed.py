@@ -23,13 +23,19 @@ def aws_env(settings: LabSettings) -> dict[str, str]:
     creds = settings.secrets_dir / "aws-credentials"
     key_id, key = secret(settings, "s3_access_key_id"), secret(settings, "s3_secret_access_key")
     write_secret(creds, f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {key}\n")
-    return {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": "/dev/null"}
+    return {
+        **os.environ,
+        "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": "/dev/null",
+    }
 
 
 def aws(settings: LabSettings, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = [str(REPO / ".venv" / "bin" / "aws"), "--endpoint-url", settings.s3_endpoint, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=aws_env(settings), check=False, timeout=600)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=aws_env(settings), check=False, timeout=600
+    )
     if check and proc.returncode != 0:
         raise LabError(f"aws {' '.join(args)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
     return proc
@@ -40,7 +46,9 @@ def _trainer(*args: str) -> None:
         raise LabError(f"{TRAINER_CLI} is missing: run `make bootstrap` first")
     proc = subprocess.run([str(TRAINER_CLI), *args], capture_output=True, text=True, check=False, timeout=900)
     if proc.returncode != 0:
-        raise LabError(f"dflash-train {' '.join(args)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        raise LabError(
+            f"dflash-train {' '.join(args)}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+        )
 
 
 def _build_once(final: Path, build) -> bool:
@@ -68,8 +76,18 @@ def ensure_seed_files(settings: LabSettings) -> bool:
         _trainer("manifest", str(out))
 
     def build_shards(out: Path) -> None:
-        _trainer("data", "synth", "--target", str(model), "--out", str(out), "--num-shards", str(NUM_SHARDS),
-                 "--seed", seed)
+        _trainer(
+            "data",
+            "synth",
+            "--target",
+            str(model),
+            "--out",
+            str(out),
+            "--num-shards",
+            str(NUM_SHARDS),
+            "--seed",
+            seed,
+        )
         _trainer("manifest", str(out))
 
     changed = _build_once(model, build_model)
@@ -83,12 +101,23 @@ def ensure_bucket(settings: LabSettings) -> bool:
         changed = True
     model, shards = seed_dirs(settings)
     for local, prefix in ((model, MODEL_PREFIX), (shards, SHARDS_PREFIX)):
-        out = aws(settings, "s3", "sync", "--no-progress", "--delete", str(local),
-                  f"s3://{settings.s3_bucket}/{prefix}").stdout
+        out = aws(
+            settings,
+            "s3",
+            "sync",
+            "--no-progress",
+            "--delete",
+            str(local),
+            f"s3://{settings.s3_bucket}/{prefix}",
+        ).stdout
         changed = changed or bool(out.strip())
     return changed
 
 
 def bucket_listing(settings: LabSettings) -> list[str]:
     proc = aws(settings, "s3", "ls", "--recursive", f"s3://{settings.s3_bucket}/", check=False)
-    return [line.split()[-1] for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    return (
+        [line.split()[-1] for line in proc.stdout.splitlines() if line.strip()]
+        if proc.returncode == 0
+        else []
+    )

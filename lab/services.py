@@ -70,8 +70,16 @@ def fakepve(settings: LabSettings) -> Daemon:
     bindir = Path(sys.executable).parent
     return Daemon(
         name="fakepve",
-        argv=[str(bindir / "fakepve"), str(state), "--host", settings.fakepve_host, "--port",
-              str(settings.fakepve_port), "--time-scale", "0"],
+        argv=[
+            str(bindir / "fakepve"),
+            str(state),
+            "--host",
+            settings.fakepve_host,
+            "--port",
+            str(settings.fakepve_port),
+            "--time-scale",
+            "0",
+        ],
         host=settings.fakepve_host,
         port=settings.fakepve_port,
         url=f"https://{settings.fakepve_host}:{settings.fakepve_port}/api2/json/version",
@@ -126,7 +134,9 @@ def port_owner(host: str, port: int) -> str | None:
         sock.settimeout(1)
         if sock.connect_ex((host, port)) != 0:
             return None
-    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        ["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=False
+    ).stdout
     for part in out.split("users:((")[1:]:
         name, pid = part.split(",")[0].strip('"'), part.split("pid=")[1].split(",")[0]
         return f"PID {pid} ({name})"
@@ -151,19 +161,29 @@ def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
         stop_daemon(settings, d)
     owner = port_owner(d.host, d.port)
     if owner is not None:
-        raise LabError(f"{d.name}: {d.host}:{d.port} is already taken by {owner}; stop it or set {d.port_key} "
-                       f"in {settings.inventory}")
+        raise LabError(
+            f"{d.name}: {d.host}:{d.port} is already taken by {owner}; stop it or set {d.port_key} "
+            f"in {settings.inventory}"
+        )
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     log_path = settings.log_dir / f"{d.name}.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(d.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **d.prepare()}, start_new_session=True)
+        proc = subprocess.Popen(
+            d.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **d.prepare()},
+            start_new_session=True,
+        )
     _pidfile(settings, d).write_text(f"{proc.pid}\n")
     if not _wait(lambda: proc.poll() is not None or answering(d), START_TIMEOUT_S) or proc.poll() is not None:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
         stop_daemon(settings, d)
-        raise LabError(f"{d.name}: did not come up on {d.url} within {START_TIMEOUT_S} s; {log_path}: {tail[0]}")
+        raise LabError(
+            f"{d.name}: did not come up on {d.url} within {START_TIMEOUT_S} s; {log_path}: {tail[0]}"
+        )
     return True
 
 

@@ -87,7 +87,9 @@ def load_settings(inventory: Path) -> LabSettings:
     def get(key: str, kind: type):
         return _require(any_vars, key, kind, inventory)
 
-    containers = [ContainerSpec(name=h, role="host", shm_size_mb=None, memory_mb=None) for h in groups["proxmox_hosts"]]
+    containers = [
+        ContainerSpec(name=h, role="host", shm_size_mb=None, memory_mb=None) for h in groups["proxmox_hosts"]
+    ]
     for h in groups["training_cts"]:
         v = hostvars[h]
         containers.append(

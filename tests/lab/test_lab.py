@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 from proxmoxer import ProxmoxAPI
+from testinfra.host import Host
 
 from lab import seed, services
 from lab.settings import REPO, load_settings
 from tests.verify.backends import LxcAttachBackend
-from testinfra.host import Host
 
 SETTINGS = load_settings(REPO / "inventory" / "lab")
 
@@ -40,8 +40,13 @@ def test_ct_has_sized_dev_shm() -> None:
 
 def test_fakepve_answers_with_lab_credentials() -> None:
     password = (SETTINGS.secrets_dir / "pve_password").read_text()
-    api = ProxmoxAPI(SETTINGS.fakepve_host, port=SETTINGS.fakepve_port, user="root@pam", password=password,
-                     verify_ssl=False)
+    api = ProxmoxAPI(
+        SETTINGS.fakepve_host,
+        port=SETTINGS.fakepve_port,
+        user="root@pam",
+        password=password,
+        verify_ssl=False,
+    )
     assert [n["node"] for n in api.nodes.get()] == ["pve1"]
 
 
@@ -61,7 +66,11 @@ def test_bucket_lists_shards_and_model() -> None:
 
 def test_services_listen_on_loopback_only() -> None:
     for daemon in services.daemons(SETTINGS):
-        out = Host(LxcAttachBackend(SETTINGS.containers[0].name)).run(f"ss -Hltn 'sport = :{daemon.port}'").stdout
+        out = (
+            Host(LxcAttachBackend(SETTINGS.containers[0].name))
+            .run(f"ss -Hltn 'sport = :{daemon.port}'")
+            .stdout
+        )
         addresses = {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
         assert addresses == {daemon.host}, f"{daemon.name} listens on {addresses}"
 

@@ -19,8 +19,14 @@ TWIN = {"host": "labtwin-host", "ct": "labtwin-ct200", "pve": "127.0.0.3", "s3_p
 
 
 def lab(inventory: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lab", *args, "--inventory", str(inventory)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "lab", *args, "--inventory", str(inventory)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
 
 
 def twin_inventory(root: Path) -> Path:
@@ -28,14 +34,21 @@ def twin_inventory(root: Path) -> Path:
     shutil.copytree(REPO / "inventory" / "lab", inv)
     hosts = yaml.safe_load((inv / "hosts.yml").read_text())
     children = hosts["all"]["children"]
-    children["proxmox_hosts"]["hosts"] = {TWIN["host"]: {"ansible_connection": "community.general.lxc",
-                                                         "ansible_host": TWIN["host"]}}
-    ct_vars = children["training_cts"]["hosts"]["lab-ct200"] | {"ansible_host": TWIN["ct"],
-                                                                "ct_proxmox_host": TWIN["host"]}
+    children["proxmox_hosts"]["hosts"] = {
+        TWIN["host"]: {"ansible_connection": "community.general.lxc", "ansible_host": TWIN["host"]}
+    }
+    ct_vars = children["training_cts"]["hosts"]["lab-ct200"] | {
+        "ansible_host": TWIN["ct"],
+        "ct_proxmox_host": TWIN["host"],
+    }
     children["training_cts"]["hosts"] = {TWIN["ct"]: ct_vars}
     (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
     lab_vars = yaml.safe_load((inv / "group_vars/all/lab.yml").read_text())
-    lab_vars |= {"lab_dir": str(root / "state"), "lab_fakepve_host": TWIN["pve"], "lab_s3_port": TWIN["s3_port"]}
+    lab_vars |= {
+        "lab_dir": str(root / "state"),
+        "lab_fakepve_host": TWIN["pve"],
+        "lab_s3_port": TWIN["s3_port"],
+    }
     (inv / "group_vars/all/lab.yml").write_text(yaml.safe_dump(lab_vars))
     return inv
 
@@ -111,7 +124,9 @@ def test_malformed_inventory_is_named(tmp_path: Path) -> None:
 def test_non_loopback_service_is_refused(tmp_path: Path) -> None:
     inv = twin_inventory(tmp_path)
     lab_yml = inv / "group_vars/all/lab.yml"
-    lab_yml.write_text(lab_yml.read_text().replace(f"lab_fakepve_host: {TWIN['pve']}", "lab_fakepve_host: 10.1.2.3"))
+    lab_yml.write_text(
+        lab_yml.read_text().replace(f"lab_fakepve_host: {TWIN['pve']}", "lab_fakepve_host: 10.1.2.3")
+    )
     proc = lab(inv, "up")
     assert proc.returncode == 1
     assert "lab_fakepve_host must be a loopback address, got 10.1.2.3" in proc.stderr

@@ -39,7 +39,9 @@ class PctExecBackend(base.BaseBackend):
         return out
 
 
-def host_for(name: str, hostvars: dict[str, Any], all_hostvars: dict[str, dict[str, Any]]) -> testinfra.host.Host:
+def host_for(
+    name: str, hostvars: dict[str, Any], all_hostvars: dict[str, dict[str, Any]]
+) -> testinfra.host.Host:
     """The testinfra host for an inventory host, by its Ansible connection."""
     connection = hostvars.get("ansible_connection", "ssh")
     address = hostvars.get("ansible_host", name)
@@ -48,8 +50,9 @@ def host_for(name: str, hostvars: dict[str, Any], all_hostvars: dict[str, dict[s
     if connection == "community.proxmox.proxmox_pct_remote":
         proxmox = hostvars.get("ct_proxmox_host", address)
         proxmox_address = all_hostvars.get(proxmox, {}).get("ansible_host", proxmox)
-        return testinfra.host.Host(PctExecBackend(proxmox_address, int(hostvars["ct_vmid"]),
-                                                  hostvars.get("ansible_user", "root")))
+        return testinfra.host.Host(
+            PctExecBackend(proxmox_address, int(hostvars["ct_vmid"]), hostvars.get("ansible_user", "root"))
+        )
     if connection in ("ssh", "smart", "paramiko_ssh"):
         user = hostvars.get("ansible_user", "root")
         return testinfra.get_host(f"ssh://{user}@{address}", ssh_config=None)

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--inventory", default=str(REPO / "inventory" / "lab"), help="Ansible inventory to verify")
+    parser.addoption(
+        "--inventory", default=str(REPO / "inventory" / "lab"), help="Ansible inventory to verify"
+    )
 
 
 def _inventory(config: pytest.Config) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def group_hosts(config: pytest.Config, group: str) -> list[str]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "host" in metafunc.fixturenames:
-        group = getattr(metafunc.module, "GROUP")
+        group = metafunc.module.GROUP
         metafunc.parametrize("inventory_hostname", group_hosts(metafunc.config, group), scope="module")
 
 
