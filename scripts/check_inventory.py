@@ -1,4 +1,4 @@
-"""Checks INVENTORY before a play: it exists, parses, and has the groups the plays target; one line a problem."""
+"""Checks INVENTORY before a play: it exists, parses and has the groups the plays target."""
 
 from __future__ import annotations
 
