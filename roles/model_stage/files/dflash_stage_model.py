@@ -1,0 +1,272 @@
+#!/usr/bin/python3
+"""dflash-stage-model: stage the target model from persistent storage into /dev/shm, checked by manifest.
+
+SOURCE is a directory on disk holding the model and MANIFEST.json ({"version": 1, "files": [{"path", "size",
+"sha256"}, ...]}, the format of `dflash-train manifest DIR`). DEST (in /dev/shm) ends up holding exactly those
+files plus the manifest. Run by dflash-stage-model.service after every boot, since /dev/shm starts empty.
+
+- Nothing to do when DEST already holds the same manifest and every file has its size (--verify size, the
+  default, instant) or its size and sha256 (--verify full, reads everything).
+- Otherwise it refuses before copying anything when the file system of DEST is too small (sizes in the
+  message), copies into DEST.staging-PID next to DEST while hashing every byte, compares with the manifest,
+  and only then replaces DEST by a rename: a reader never sees a half-staged model.
+- --check only says whether DEST is valid (exit 0) or not (exit 1); it changes nothing.
+
+Standard library only (it runs before any venv matters). Exit status: 0 done, 1 error (one line), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+PROG = "dflash-stage-model"
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+CHUNK = 16 << 20
+
+
+class StageError(Exception):
+    """One line naming the thing at fault."""
+
+
+def say(msg: str) -> None:
+    print(f"{PROG}: {msg}", flush=True)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def parse_manifest(path: Path) -> list[dict]:
+    """Validated entries sorted by path; StageError naming the file and the key otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StageError(f"{path}: no manifest (write one with `dflash-train manifest DIR`)") from None
+    except OSError as e:
+        raise StageError(f"{path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StageError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        raise StageError(f'{path}: not a manifest (needs an object with a "files" list)')
+    if data.get("version", 1) != 1:
+        raise StageError(f"{path}: version {data.get('version')!r} is not supported (1 is)")
+    seen: set[str] = set()
+    entries = []
+    for i, e in enumerate(data["files"]):
+        if not isinstance(e, dict):
+            raise StageError(f"{path}: files[{i}] is not an object")
+        rel, size, digest = e.get("path"), e.get("size"), e.get("sha256")
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
+            raise StageError(f"{path}: files[{i}].path {rel!r} is not a relative path inside the model")
+        if rel == path.name:
+            raise StageError(f"{path}: files[{i}].path {rel!r} is the manifest itself")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise StageError(f"{path}: files[{i}].size {size!r} ({rel}) is not a byte count")
+        if not isinstance(digest, str) or not HEX64.match(digest):
+            raise StageError(f"{path}: files[{i}].sha256 {digest!r} ({rel}) is not 64 lowercase hex digits")
+        if rel in seen:
+            raise StageError(f"{path}: files[{i}].path {rel!r} is listed twice")
+        seen.add(rel)
+        entries.append({"path": rel, "size": size, "sha256": digest})
+    if not entries:
+        raise StageError(f"{path}: lists no files")
+    return sorted(entries, key=lambda e: e["path"])
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
+    """Copies src to dst; returns (bytes, sha256 of the bytes read), so the copy is checked with one read."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    size = 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        while n := fin.readinto(buf):
+            h.update(view[:n])
+            fout.write(view[:n])
+            size += n
+    os.chmod(dst, 0o644)
+    return size, h.hexdigest()
+
+
+def tree_bytes(path: Path) -> int:
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def mountpoint(path: Path) -> Path:
+    path = path.resolve()
+    while path.parent != path and path.parent.stat().st_dev == path.stat().st_dev:
+        path = path.parent
+    return path
+
+
+class Stager:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.source = Path(args.source)
+        self.dest = Path(args.dest)
+        self.manifest_name = args.manifest
+        self.full = args.verify == "full"
+        self.workers = max(1, min(args.workers, os.cpu_count() or 1))
+
+    def problems(self, directory: Path, entries: list[dict], *, full: bool, limit: int = 3) -> list[str]:
+        out = []
+        for e in entries:
+            p = directory / e["path"]
+            if not p.is_file():
+                out.append(f"{p}: missing")
+            elif p.stat().st_size != e["size"]:
+                out.append(f"{p}: size {p.stat().st_size}, the manifest says {e['size']}")
+            if len(out) >= limit:
+                return out
+        if full and not out:
+            with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+                digests = pool.map(lambda e: sha256_file(directory / e["path"]), entries)
+                for e, d in zip(entries, digests, strict=True):
+                    if d != e["sha256"]:
+                        out.append(f"{directory / e['path']}: sha256 differs from the manifest")
+        return out[:limit]
+
+    def staged_is_valid(self, entries: list[dict], manifest_text: str) -> list[str]:
+        staged_manifest = self.dest / self.manifest_name
+        if not self.dest.is_dir():
+            return [f"{self.dest}: not staged"]
+        try:
+            if staged_manifest.read_text() != manifest_text:
+                return [f"{staged_manifest}: differs from the source's manifest (a new model)"]
+        except OSError:
+            return [f"{staged_manifest}: missing (staging was interrupted)"]
+        return self.problems(self.dest, entries, full=self.full)
+
+    def strays(self) -> list[Path]:
+        return sorted(self.dest.parent.glob(f"{self.dest.name}.staging-*"))
+
+    def run(self, check_only: bool) -> int:
+        manifest_path = self.source / self.manifest_name
+        entries = parse_manifest(manifest_path)
+        manifest_text = manifest_path.read_text()
+        need = sum(e["size"] for e in entries)
+        mode = "size and sha256 checked" if self.full else "size checked"
+        bad = self.staged_is_valid(entries, manifest_text)
+        if not bad:
+            say(f"{self.dest}: already staged: {len(entries)} files, {human(need)}, {mode}; nothing to do")
+            return 0
+        if check_only:
+            say(f"{self.dest}: not valid: {'; '.join(bad)}")
+            return 1
+        say(f"{self.dest}: staging needed: {'; '.join(bad)}")
+        missing = self.problems(self.source, entries, full=False)
+        if missing:
+            raise StageError(
+                f"model store {self.source} does not match {manifest_path}: {'; '.join(missing)}"
+            )
+        parent = self.dest.parent
+        if not parent.is_dir() and not parent.parent.is_dir():
+            raise StageError(f"{parent.parent}: no such directory (is /dev/shm mounted?)")
+        fs = os.statvfs(parent if parent.is_dir() else parent.parent)
+        free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+        reclaim = tree_bytes(self.dest) + sum(tree_bytes(p) for p in self.strays())
+        if need > free + reclaim:
+            mount = mountpoint(parent if parent.is_dir() else parent.parent)
+            old = f", {human(reclaim)} more once the old copy is removed" if reclaim else ""
+            raise StageError(
+                f"{mount} is too small for {self.dest}: the model needs {human(need)} ({need} bytes), "
+                f"{mount} has {human(free)} ({free} bytes) free of {human(size)}{old}; nothing was copied: raise the "
+                f"container's /dev/shm size (ct_shm_size_mb) or free space in it"
+            )
+        for p in [*self.strays(), self.dest]:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        parent.mkdir(mode=0o755, exist_ok=True)
+        tmp = parent / f"{self.dest.name}.staging-{os.getpid()}"
+        tmp.mkdir(mode=0o755)
+        started = time.monotonic()
+        try:
+            self.copy_all(entries, tmp, manifest_path)
+            (tmp / self.manifest_name).write_text(manifest_text)
+            os.chmod(tmp / self.manifest_name, 0o644)
+            os.rename(tmp, self.dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        elapsed = time.monotonic() - started
+        say(
+            f"{self.dest}: staged {len(entries)} files ({human(need)}) from {self.source} in {elapsed:.1f} s "
+            f"({need / max(elapsed, 1e-6) / 1e9:.2f} GB/s), every file's sha256 checked"
+        )
+        return 0
+
+    def copy_all(self, entries: list[dict], tmp: Path, manifest_path: Path) -> None:
+        def one(e: dict) -> tuple[dict, int, str]:
+            return (e, *copy_hashing(self.source / e["path"], tmp / e["path"]))
+
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            for e, size, digest in pool.map(one, sorted(entries, key=lambda e: -e["size"])):
+                if size != e["size"]:
+                    raise StageError(
+                        f"{self.source / e['path']}: read {size} bytes, {manifest_path} says {e['size']}"
+                    )
+                if digest != e["sha256"]:
+                    raise StageError(
+                        f"{self.source / e['path']}: sha256 differs from {manifest_path} "
+                        f"(the store is corrupt or the manifest is wrong); nothing was staged"
+                    )
+                if e["size"] >= 256 << 20:
+                    say(f"copied {e['path']} ({human(size)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", required=True, help="model directory on persistent storage")
+    parser.add_argument("--dest", required=True, help="staged copy, e.g. /dev/shm/dflash/model")
+    parser.add_argument("--manifest", default="MANIFEST.json", help="manifest name in SOURCE")
+    parser.add_argument(
+        "--verify", choices=["size", "full"], default="size", help="check of an existing copy"
+    )
+    parser.add_argument(
+        "--full", dest="verify", action="store_const", const="full", help="same as --verify full"
+    )
+    parser.add_argument("--check", action="store_true", help="only say whether DEST is valid; change nothing")
+    parser.add_argument("--workers", type=int, default=4, help="files copied and hashed at once")
+    args = parser.parse_args(argv)
+    try:
+        if not os.path.isabs(args.dest) or len(Path(args.dest).parts) < 3:
+            raise StageError(f"dest {args.dest!r}: must be an absolute path at least two levels deep")
+        if not os.path.isabs(args.source):
+            raise StageError(f"source {args.source!r}: must be an absolute path")
+        return Stager(args).run(args.check)
+    except StageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
