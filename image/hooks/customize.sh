@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# mmdebstrap --customize-hook for the CT image: runs on the build machine with $1 = the image's root directory,
+# after apt installed the Debian packages. Its inputs come from image/build.sh through IMAGE_* variables.
+#   1. the installed Debian set must equal image/packages.txt (pins drift when the mirror moves on);
+#   2. the trainer venv at /opt/dflash/venv from the lock, offline, from the build's wheelhouse;
+#   3. the trainer's unit files, where roles ship real ones;
+#   4. /etc/dflash/image.json; files that differ between build machines are removed.
+# shellcheck disable=SC2016  # hook strings and dpkg-query formats are expanded later, by design
+set -euo pipefail
+
+ROOT=${1:?usage: customize.sh ROOTDIR}
+: "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
+STAGE=/tmp/dflash-build  # inside the chroot; mmdebstrap empties /tmp at the end
+VENV=/opt/dflash/venv
+
+die() { echo "customize: $*" >&2; exit 1; }
+
+in_chroot() {  # a clean environment: the build machine's pip settings (find-links, constraints) stay outside
+  chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE= "$@"
+}
+
+check_pins() {
+  local want got
+  want=$(grep -v '^#' "$IMAGE_PINS" | grep -v '^$' | LC_ALL=C sort)
+  got=$(in_chroot dpkg-query -W -f '${db:Status-Status} ${Package}=${Version}\n' \
+        | awk '$1 == "installed" {print $2}' | LC_ALL=C sort)
+  if [ "$want" != "$got" ]; then
+    echo "customize: the installed Debian packages differ from image/packages.txt (< pinned, > installed):" >&2
+    diff <(echo "$want") <(echo "$got") | grep '^[<>]' | head -20 >&2 || true
+    die "the mirror no longer serves these pins, or packages.in changed: run 'image/build.sh --refresh-pins' and review"
+  fi
+}
+
+unmount_wheels() { mountpoint -q "$ROOT$STAGE/wheels" && umount "$ROOT$STAGE/wheels"; return 0; }
+
+install_venv() {
+  mkdir -p "$ROOT$STAGE/wheels"
+  cp "$IMAGE_LOCK" "$ROOT$STAGE/requirements.lock"
+  cp "$IMAGE_REPO/image/constraints.txt" "$ROOT$STAGE/constraints.txt"
+  cp "$IMAGE_TRAINER_WHEEL_PATH" "$ROOT$STAGE/"
+  cp "$IMAGE_REPO/image/manifest.py" "$ROOT$STAGE/manifest.py"
+  # Read-only bind mount: nothing the chroot does (or a failed cleanup) can touch the warm wheelhouse.
+  mount --bind "$IMAGE_WHEELHOUSE" "$ROOT$STAGE/wheels"
+  mount -o remount,bind,ro "$ROOT$STAGE/wheels"
+  trap unmount_wheels EXIT
+  in_chroot python3 -m venv "$VENV"
+  in_chroot "$VENV/bin/python" -m pip install -q --no-index --find-links "$STAGE/wheels" \
+    --requirement "$STAGE/requirements.lock" --constraint "$STAGE/constraints.txt" \
+    || die "pip could not install the lock from the wheelhouse"
+  in_chroot "$VENV/bin/python" -m pip install -q --no-index --no-deps "$STAGE/$(basename "$IMAGE_TRAINER_WHEEL_PATH")" \
+    || die "pip could not install the trainer wheel"
+  in_chroot "$VENV/bin/python" -m pip check >&2 || die "the venv's dependencies are inconsistent (pip check)"
+  unmount_wheels
+  trap - EXIT
+  ln -sfn "$VENV/bin/dflash-train" "$ROOT/usr/local/bin/dflash-train"
+}
+
+install_units() {  # plain unit files that roles ship; templates are rendered by their role at deploy time
+  local unit names=()
+  for unit in "$IMAGE_REPO"/roles/*/files/*.{service,timer,socket,target,path}; do
+    [ -f "$unit" ] || continue
+    install -D -m 0644 "$unit" "$ROOT/etc/systemd/system/$(basename "$unit")"
+    names+=("$(basename "$unit")")
+  done
+  IMAGE_UNITS="${names[*]}"
+  export IMAGE_UNITS
+  echo "customize: units installed: ${IMAGE_UNITS:-none (no role ships a unit file yet)}" >&2
+}
+
+write_manifest() {
+  in_chroot IMAGE_NAME="$IMAGE_NAME" IMAGE_VARIANT="$IMAGE_VARIANT" IMAGE_VERSION="$IMAGE_VERSION" \
+    IMAGE_COMMIT="$IMAGE_COMMIT" SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" IMAGE_SUITE="$IMAGE_SUITE" \
+    IMAGE_LOCK_SHA256="$IMAGE_LOCK_SHA256" IMAGE_PINS_SHA256="$IMAGE_PINS_SHA256" \
+    IMAGE_TRAINER_VERSION="$IMAGE_TRAINER_VERSION" IMAGE_TRAINER_WHEEL="$(basename "$IMAGE_TRAINER_WHEEL_PATH")" \
+    IMAGE_UNITS="$IMAGE_UNITS" python3 "$STAGE/manifest.py" /etc/dflash/image.json
+  cp "$ROOT/etc/dflash/image.json" "$IMAGE_MANIFEST_OUT"
+}
+
+make_reproducible() {
+  # Proxmox (and lab/image.py) write these per container; the build machine's copies must not leak in.
+  rm -f "$ROOT/etc/resolv.conf"
+  echo localhost > "$ROOT/etc/hostname"
+}
+
+check_pins
+install_venv
+install_units
+write_manifest
+make_reproducible
