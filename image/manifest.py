@@ -18,14 +18,19 @@ VENV = Path("/opt/dflash/venv")
 
 
 def debian_packages() -> dict[str, str]:
-    out = subprocess.run(["dpkg-query", "-W", "-f", "${Package}\t${Version}\n"], capture_output=True, text=True,
-                         check=True).stdout
-    return dict(sorted(line.split("\t", 1) for line in out.splitlines() if line))
+    fmt = "${db:Status-Status}\t${Package}\t${Version}\n"
+    out = subprocess.run(["dpkg-query", "-W", "-f", fmt], capture_output=True, text=True, check=True).stdout
+    rows = (line.split("\t") for line in out.splitlines() if line)
+    return dict(sorted((name, version) for status, name, version in rows if status == "installed"))
 
 
 def python_packages() -> dict[str, str]:
-    out = subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "freeze", "--all"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [str(VENV / "bin" / "python"), "-m", "pip", "freeze", "--all"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     pairs = (line.split("==", 1) for line in out.splitlines() if "==" in line)
     return dict(sorted((name.lower(), version) for name, version in pairs))
 
