@@ -1,7 +1,8 @@
 """The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
 
 It computes what dflash's `DFlashDraftModel` serves, with the same parameter names, but runs every
-block of a sequence in one forward under the block attention mask.
+block of a sequence in one forward under the block attention mask (model.attention: block-sparse
+FlexAttention on CUDA, masked SDPA as the reference).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
@@ -18,7 +18,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash_trainer.method.blocks import block_positions
 from dflash_trainer.method.layers import target_layer_ids as default_target_layer_ids
-from dflash_trainer.method.mask import block_attention_mask
+from dflash_trainer.model.attention import AttentionImpl, Mask, attend, build_masks, resolve_impl
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -198,7 +198,7 @@ class DFlashAttention(nn.Module):
         block: torch.Tensor,
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: Mask,
     ) -> torch.Tensor:
         bsz, n, _ = block.shape
         d = self.head_dim
@@ -209,7 +209,7 @@ class DFlashAttention(nn.Module):
         cos, sin = (t.unsqueeze(1) for t in rope)  # [B,1,T+N,d]
         q = _rope(q, cos[:, :, -n:], sin[:, :, -n:])
         k = _rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
 
 
@@ -227,7 +227,7 @@ class DFlashDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: Mask,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -236,7 +236,9 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """State dict names are the published format: layers.*, norm, fc, hidden_norm (no embedding, no head)."""
 
-    def __init__(self, spec: DrafterSpec, *, gradient_checkpointing: bool = False) -> None:
+    def __init__(
+        self, spec: DrafterSpec, *, gradient_checkpointing: bool = False, attention: AttentionImpl = "auto"
+    ) -> None:
         super().__init__()
         self.spec = spec
         cfg = spec.to_qwen3_config()
@@ -246,6 +248,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(spec.target_layer_ids) * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.gradient_checkpointing = gradient_checkpointing
+        self.attention: AttentionImpl = attention  # forward_blocks' implementation; "auto" = flex on CUDA
         self.reset_parameters()
 
     @torch.no_grad()
@@ -262,12 +265,13 @@ class DFlashDrafter(nn.Module):
         context: torch.Tensor,
         noise_embedding: torch.Tensor,
         positions: torch.Tensor,
-        masks: dict[str, torch.Tensor],
+        masks: dict[str, Mask],
     ) -> torch.Tensor:
         """Hidden states [B,N,H] of the block slots (after the final norm).
 
         context: raw target features [B,T,K*H]; noise_embedding: target embeddings of the block ids
-        [B,N,H]; positions: Long[B,T+N] for context then block slots; masks: Bool[B,N,T+N] per layer type.
+        [B,N,H]; positions: Long[B,T+N] for context then block slots; masks per layer type: Bool[B,N,T+N]
+        (dense SDPA) or a FlexAttention BlockMask over the same [N, T+N] (model.attention).
         """
         fused = self.hidden_norm(self.fc(context))
         rope = self.rotary_emb(noise_embedding, positions)
@@ -292,10 +296,7 @@ class DFlashDrafter(nn.Module):
         bs = self.spec.block_size
         ctx_pos = torch.arange(ctx_len, device=context.device).expand(bsz, ctx_len)
         positions = torch.cat([ctx_pos, block_positions(anchors, bs)], dim=1)
-        masks = {
-            t: block_attention_mask(
-                anchors, valid, ctx_len, bs, self.spec.sliding_window if t == SLIDING else None
-            )
-            for t in set(self.spec.layer_types)
-        }
+        impl = resolve_impl(self.attention, context.device)
+        layer_types = set(self.spec.layer_types)
+        masks = build_masks(impl, layer_types, anchors, valid, ctx_len, bs, self.spec.sliding_window, SLIDING)
         return self.forward(context, noise_embedding, positions, masks)
