@@ -1,0 +1,91 @@
+"""Bad input to L0/L1 stops the play before the running kernel or the boot configuration is touched, with one
+line that names the cause; the lab host is left exactly as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+
+import pytest
+
+from tests.host.conftest import attach, playbook, snapshot
+
+L1 = "ansible/l1_driver.yml"
+L0 = "ansible/l0_host.yml"
+
+
+def run_refused(*extra: str, play: str = L1) -> str:
+    """Runs the play with bad input; returns its output on one line once it failed and changed nothing."""
+    before = snapshot()
+    proc = playbook(play, *extra)
+    after = snapshot()
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0, f"the play succeeded on bad input: {out[-2000:]}"
+    assert before == after, f"the host changed on bad input:\nbefore:\n{before}\nafter:\n{after}"
+    return out
+
+
+def test_version_without_checksum_is_refused(lab_host):
+    out = run_refused("-e", "nvidia_driver_source_sha256=''")
+    assert "nvidia_driver_source_sha256 is not set for NVIDIA 535.261.03" in out
+    assert "a version without a checksum is refused" in out
+
+
+def test_branch_older_than_minimum_is_refused(lab_host):
+    out = run_refused("-e", "nvidia_driver_version=470.256.02", "-e", "nvidia_driver_min_branch=580")
+    assert 'nvidia_driver_version="470.256.02" is not a pinned driver release of branch 580 or newer' in out
+
+
+def test_checksum_mismatch_is_refused(lab_host):
+    out = run_refused("-e", "nvidia_driver_source_sha256=" + "0" * 64)
+    assert "refused, nothing was built or changed" in out
+    assert "did not match" in out
+
+
+def test_missing_headers_are_refused(lab_host):
+    out = run_refused("-e", "nvidia_driver_kernel_version=6.1.0-47-amd64")
+    assert "kernel headers for 6.1.0-47-amd64 are missing" in out
+
+
+def test_bad_kernel_version_is_refused(lab_host):
+    out = run_refused("-e", "host_kernel_version=latest", play=L0)
+    assert 'host_kernel_version="latest" is not a kernel release' in out
+
+
+def broken_source(tmp_path, version: str):
+    """A tree shaped like NVIDIA's kernel-open whose build fails at once, as a too-new kernel's API would."""
+    buf = io.BytesIO()
+    files = {
+        "Kbuild": "obj-m := nvidia.o\n",
+        "Makefile": "modules:\n\t@echo 'nv.c: error: implicit declaration (deliberately broken)'; false\n",
+        "nvidia/nv.c": "#error deliberately broken\n",
+    }
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"broken-{version}/{name}")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    path = tmp_path / f"broken-{version}.tar.gz"
+    path.write_bytes(buf.getvalue())
+    return path, hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+@pytest.mark.parametrize("version", ["535.999.99"])
+def test_source_that_does_not_build_leaves_nothing(lab_host, tmp_path, version):
+    source, digest = broken_source(tmp_path, version)
+    try:
+        out = run_refused(
+            "-e",
+            f"nvidia_driver_version={version}",
+            "-e",
+            f"nvidia_driver_source_file={source}",
+            "-e",
+            f"nvidia_driver_source_sha256={digest}",
+        )
+    finally:
+        attach("sh", "-c", f"rm -f /var/cache/dflash/nvidia/*{version}*")
+    assert f"NVIDIA {version} did not build for kernel 6.1.0-50-amd64" in out
+    assert "boot configuration untouched" in out
+    assert "deliberately broken" in out or "make-" in out
