@@ -197,8 +197,8 @@ class Stager:
             old = f", {human(reclaim)} more once the old copy is removed" if reclaim else ""
             raise StageError(
                 f"{mount} is too small for {self.dest}: the model needs {human(need)} ({need} bytes), "
-                f"{mount} has {human(free)} ({free} bytes) free of {human(size)}{old}; nothing was copied: raise the "
-                f"container's /dev/shm size (ct_shm_size_mb) or free space in it"
+                f"{mount} has {human(free)} ({free} bytes) free of {human(size)}{old}; nothing was copied: "
+                f"raise the container's /dev/shm size (ct_shm_size_mb) or free space in it"
             )
         for p in [*self.strays(), self.dest]:
             if p.is_dir() and not p.is_symlink():
