@@ -1,0 +1,186 @@
+"""Entry point of every rank: `torchrun ... -m dflash_trainer.distributed.launch CONFIG [options]`.
+
+Sets up the process groups, takes the rank's role, runs its loop, and at the end gathers every rank's
+metrics to rank 0, which prints the summary table and draws the timeline. Any failure is logged as
+`rank R (role, device on host): cause` and ends the job (see failure.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dflash_trainer.distributed.failure import (
+    Identity,
+    PeerMonitor,
+    fault_from_env,
+    install_excepthooks,
+    log_failure,
+)
+from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
+from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
+from dflash_trainer.distributed.topology import Role, resolve_topology
+
+log = logging.getLogger("dflash_trainer.distributed")
+
+
+def _count(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash_trainer.distributed.launch", description=__doc__)
+    p.add_argument("config", nargs="?", type=Path, help="training TOML (omit with --synthetic or --bench)")
+    p.add_argument("--synthetic", action="store_true", help="model-free stand-in workload (CI)")
+    p.add_argument("--bench", choices=("tiny", "qwen3-8b"), help="random models of a bench size")
+    p.add_argument("--targets", type=_count, help="override topology.targets (int or auto)")
+    p.add_argument("--drafters", type=_count, help="override topology.drafters (int or auto)")
+    p.add_argument("--steps", type=int, help="drafter steps to run (default: the config's horizon)")
+    p.add_argument("--depth", type=int, default=2, help="items in flight per rank (back-pressure bound)")
+    p.add_argument("--log-every", type=int, default=10, help="per-rank metrics line every N items/steps")
+    p.add_argument("--timeline", type=Path, help="rank 0 writes the per-rank timeline PNG here")
+    p.add_argument("--metrics-out", type=Path, help="rank 0 writes every rank's summary as JSON here")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="p2p/collective timeout once running")
+    p.add_argument("--startup-timeout-s", type=float, default=1800.0, help="timeout while models load")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--dead-after-s", type=float, default=15.0, help="a silent peer is dead after this")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")
+    # Synthetic workload knobs (tests, bench of the transport alone).
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--features", type=int, default=16)
+    p.add_argument("--target-s", type=float, default=0.0, help="synthetic: seconds per target item")
+    p.add_argument("--drafter-s", type=float, default=0.0, help="synthetic: seconds per drafter step")
+    return p
+
+
+def _device(cpu: bool) -> tuple[torch.device, str]:
+    if torch.cuda.is_available() and not cpu:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _setup_logging(me: Identity) -> None:
+    fmt = f"%(asctime)s {me}: %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
+
+
+def _build(args: argparse.Namespace, role: Role, device: torch.device, drafters: dist.ProcessGroup, topo: Any):
+    """(producer or consumer, wire format, steps, start step) for this rank's role."""
+    if args.synthetic:
+        from dflash_trainer.distributed.work_synthetic import SyntheticConsumer, SyntheticProducer, SyntheticSpec
+
+        spec = SyntheticSpec(args.rows, args.seq_len, args.features, target_s=args.target_s, drafter_s=args.drafter_s)
+        work = SyntheticProducer(spec, device) if role is Role.TARGET else SyntheticConsumer(spec, device, drafters)
+        return work, spec.wire, args.steps or 20, 0
+    from dflash_trainer.distributed.work_dflash import build_dflash
+
+    return build_dflash(args, role, device, drafters, topo)
+
+
+def _topology_counts(args: argparse.Namespace) -> tuple[Any, Any]:
+    targets, drafters = "auto", "auto"
+    if args.config is not None:
+        from dflash_trainer.config import load_config
+
+        cfg = load_config(args.config, check_paths=False)
+        targets, drafters = cfg.topology.targets, cfg.topology.drafters
+    return (args.targets or targets), (args.drafters or drafters)
+
+
+def _report(summaries: list[RankSummary], args: argparse.Namespace) -> None:
+    print(summary_table(summaries), flush=True)
+    if args.timeline:
+        from dflash_trainer.distributed.timeline import plot_timeline
+
+        log.info("timeline: %s", plot_timeline(summaries, args.timeline))
+    if args.metrics_out:
+        data = {
+            "pipeline_tokens_per_s": pipeline_tokens_per_s(summaries),
+            "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries],
+        }
+        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_out.write_text(json.dumps(data, indent=1))
+
+
+def run(args: argparse.Namespace) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device, backend = _device(args.cpu)
+    targets, drafters = _topology_counts(args)
+    topo = resolve_topology(world, targets, drafters)
+    role = topo.role(rank)
+    me = Identity(rank, role.value, str(device), socket.gethostname())
+    _setup_logging(me)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.startup_timeout_s))
+    monitor = PeerMonitor(me, world, interval=args.heartbeat_s, dead_after=args.dead_after_s).start()
+    install_excepthooks(me, device, monitor)
+    try:
+        return _run_role(args, rank, topo, role, me, device, backend, monitor)
+    except BaseException as exc:
+        cause = log_failure(me, exc, device)
+        monitor.publish_failure(cause.splitlines()[0])
+        raise
+    finally:
+        monitor.done()
+
+
+def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor) -> int:
+    running = timedelta(seconds=args.timeout_s)
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.startup_timeout_s))
+    pipe = dist.new_group(timeout=running, backend=backend)
+    drafters = dist.new_group(topo.drafter_ranks, timeout=running, backend=backend)
+    log.info("role %s %d of %d:%d; loading", role.value, topo.index(rank), topo.num_targets, topo.num_drafters)
+    work, wire, steps, start = _build(args, role, device, drafters, topo)
+    wires: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(wires, (str(me), dataclasses.astuple(wire)), group=control)
+    if len({w[1] for w in wires}) != 1:
+        raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
+    dist.barrier(group=control)  # everyone loaded: the running timeout applies from here
+    meter = RankMeter(rank, role.value, str(device), me.host)
+    span = RunSpan(start, steps, args.depth, args.log_every)
+    fault = fault_from_env()
+
+    def say(text: str) -> None:
+        log.info("%s", text)
+
+    extra: dict[str, Any] = {}
+    if role is Role.TARGET:
+        run_target(rank, topo, work, wire, pipe, span, meter, device, fault, say)
+    else:
+        extra = run_drafter(rank, topo, work, wire, pipe, span, meter, device, fault, say)
+    summary = meter.summary(**extra)
+    gathered: list[Any] | None = [None] * topo.world_size if rank == 0 else None
+    dist.gather_object(summary, gathered, dst=0, group=control)
+    if rank == 0:
+        _report(list(gathered), args)
+    monitor.done()  # before the last barrier: rank 0 may host the store and exit first
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+    return 0
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.config is None and not (args.synthetic or args.bench):
+        raise SystemExit("give a training config, --synthetic or --bench")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
