@@ -28,7 +28,10 @@ def main() -> int:
     with open(partial, "wb") as out:
         zstd = subprocess.Popen(["zstd", "-q", "-12", "-T2", "-c"], stdin=subprocess.PIPE, stdout=out)
         assert zstd.stdin is not None
-        with tarfile.open(src) as tin, tarfile.open(fileobj=zstd.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tout:
+        with (
+            tarfile.open(src) as tin,
+            tarfile.open(fileobj=zstd.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tout,
+        ):
             for member in tin:
                 if DROP.match(member.name) and not member.isdir():
                     continue

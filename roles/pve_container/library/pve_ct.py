@@ -4,6 +4,21 @@
 
 from __future__ import annotations
 
+import re
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+try:
+    import requests
+    from proxmoxer import AuthenticationError, ProxmoxAPI
+    from proxmoxer.core import ResourceException
+
+    HAS_PROXMOXER = True
+except ImportError:  # pragma: no cover - reported by the module
+    HAS_PROXMOXER = False
+
+
 DOCUMENTATION = r"""
 module: pve_ct
 short_description: Probe the Proxmox API for a container, and keep its devN passthrough entries
@@ -34,20 +49,6 @@ options:
 author: dflash project
 """
 
-import re
-import time
-
-from ansible.module_utils.basic import AnsibleModule
-
-try:
-    import requests
-    from proxmoxer import AuthenticationError, ProxmoxAPI
-    from proxmoxer.core import ResourceException
-
-    HAS_PROXMOXER = True
-except ImportError:  # pragma: no cover - reported by the module
-    HAS_PROXMOXER = False
-
 DEV_KEY = re.compile(r"^dev(\d+)$")
 
 
@@ -76,9 +77,11 @@ class Api:
         elif isinstance(exc, ResourceException) and exc.status_code == 401:
             cause = f"authentication failed for {self.who} (HTTP 401: bad token or expired ticket)"
         elif isinstance(exc, ResourceException) and exc.status_code == 403:
-            cause = f"permission denied for {self.who} (HTTP 403: {one_line(exc.status_message)} {one_line(exc.content)})"
+            detail = f"{one_line(exc.status_message)} {one_line(exc.content)}"
+            cause = f"permission denied for {self.who} (HTTP 403: {detail})"
         elif isinstance(exc, ResourceException):
-            cause = f"HTTP {exc.status_code}: {one_line(exc.status_message)} {one_line(exc.content)} {exc.errors or ''}"
+            detail = f"{one_line(exc.status_message)} {one_line(exc.content)} {exc.errors or ''}"
+            cause = f"HTTP {exc.status_code}: {detail}"
         elif isinstance(exc, requests.exceptions.SSLError):
             cause = "TLS certificate not trusted (set pve_api_validate_certs or pve_api_ca_file)"
         elif isinstance(exc, requests.exceptions.Timeout):
@@ -101,7 +104,7 @@ class Api:
                 if attempt == retries or refused or isinstance(exc, requests.exceptions.SSLError):
                     self.fail(what, exc)
                 time.sleep(0.5 * (attempt + 1))
-            except Exception as exc:  # noqa: BLE001 - every cause becomes one line
+            except Exception as exc:  # every cause becomes one line
                 self.fail(what, exc)
         return None
 
@@ -111,7 +114,9 @@ def probe(module: AnsibleModule, api: Api) -> dict:
     nodes = api.call(lambda: api.api.nodes.get(), "list nodes")
     node = next((n for n in nodes if n.get("node") == p["node"]), None)
     if node is None:
-        module.fail_json(msg=f"{api.where}: node {p['node']} is not in the cluster ({[n['node'] for n in nodes]})")
+        module.fail_json(
+            msg=f"{api.where}: node {p['node']} is not in the cluster ({[n['node'] for n in nodes]})"
+        )
     if node.get("status") != "online":
         module.fail_json(msg=f"{api.where}: node {p['node']} is {node.get('status', 'offline')}")
     cts = api.call(lambda: api.api.nodes(p["node"]).lxc.get(), f"list containers of {p['node']}")
@@ -129,6 +134,7 @@ def probe(module: AnsibleModule, api: Api) -> dict:
 
 def plan_devices(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
     """(devN -> value to set, devN to delete): every wanted path exactly once, existing indexes kept."""
+
     def value(dev: dict) -> str:
         opts = [f"{k}={dev[k]}" for k in ("gid", "mode", "uid") if dev.get(k) not in (None, "")]
         return ",".join([dev["path"], *opts])
@@ -159,8 +165,10 @@ def plan_devices(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
 def devices(module: AnsibleModule, api: Api) -> dict:
     p = module.params
     if p["api_token_id"] or p["api_user"] != "root@pam":
-        module.fail_json(msg=f"{api.where}: devN passthrough entries are root@pam only on Proxmox; {api.who} cannot "
-                             "set them. Give pve_api_password for root@pam, or set ct_device_mode: raw")
+        module.fail_json(
+            msg=f"{api.where}: devN passthrough entries are root@pam only on Proxmox; {api.who} cannot "
+            "set them. Give pve_api_password for root@pam, or set ct_device_mode: raw"
+        )
     wanted = p["devices"] or []
     paths = [d["path"] for d in wanted]
     dupes = sorted({x for x in paths if paths.count(x) > 1})
@@ -221,7 +229,9 @@ def main() -> None:
         supports_check_mode=True,
     )
     if not HAS_PROXMOXER:
-        module.fail_json(msg="pve_ct needs proxmoxer and requests on the controller (the project venv has them)")
+        module.fail_json(
+            msg="pve_ct needs proxmoxer and requests on the controller (the project venv has them)"
+        )
     api = Api(module)
     result = probe(module, api) if module.params["action"] == "probe" else devices(module, api)
     module.exit_json(**result)

@@ -1,0 +1,157 @@
+"""The L2 role (roles/pve_container) against a private fakepve with an ACL.
+
+Create, no change on a rerun, memory in place, recreation refused unless forced, clear errors for a bad token,
+an unreachable API and an offline node, and device entries correct and unduplicated after several runs.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.container.conftest import GPUS
+
+DEVICES = [f"/dev/nvidia{g}" for g in GPUS] + [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-caps/nvidia-cap1",
+    "/dev/nvidia-caps/nvidia-cap2",
+]
+
+
+def devn(config: dict) -> dict[str, str]:
+    return {k: v for k, v in config.items() if k.startswith("dev") and k[3:].isdigit()}
+
+
+def test_create_then_rerun_changes_nothing(pve, play, lab) -> None:
+    first = play()
+    assert first.rc == 0, first.error()
+    ct = pve.ct(200)
+    assert ct is not None and ct.status == "running"
+    cfg = ct.config
+    assert (cfg["memory"], cfg["cores"], cfg["hostname"], cfg["onboot"]) == (4096, 4, "ct200", 1)
+    assert "unprivileged" not in cfg, "CT 200 must be privileged"
+    assert "hwaddr=BC:24:11:AA:BB:CC" in cfg["net0"]
+    assert cfg["rootfs"].startswith("local-lvm:") and "size=8G" in cfg["rootfs"]
+    assert sorted(devn(cfg).values()) == sorted(DEVICES)
+    conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
+    assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=512m,create=dir 0 0\n" in conf
+    assert "lxc.prlimit.memlock: unlimited\n" in conf
+    second = play()
+    assert second.rc == 0, second.error()
+    assert second.changed == 0, f"second run changed {second.changed} things"
+
+
+def test_memory_change_applies_in_place(pve, play) -> None:
+    assert play().rc == 0
+    ct = pve.ct(200)
+    started, net0 = ct.started_at, ct.config["net0"]
+    run = play(ct_memory_mb=6144)
+    assert run.rc == 0, run.error()
+    assert pve.ct(200) is ct, "the CT was recreated for a memory change"
+    assert ct.config["memory"] == 6144 and ct.status == "running" and ct.started_at == started
+    assert ct.config["net0"] == net0, "an update changed the network entry (MAC not pinned?)"
+
+
+def test_memory_below_shm_plus_trainer_refused_before_any_api_call(pve, play) -> None:
+    run = play(ct_memory_mb=1024, ct_shm_size_mb=512, ct_trainer_memory_mb=1024)
+    assert run.rc != 0
+    assert "ct_memory_mb=1024 is below ct_shm_size_mb=512 + ct_trainer_memory_mb=1024" in run.error()
+    assert not [r for r in pve.requests if "/lxc" in r[1] or "/storage" in r[1]], "the API was used"
+
+
+def test_recreation_refused_unless_forced(pve, play) -> None:
+    assert play().rc == 0
+    refused = play(ct_unprivileged=True)
+    assert refused.rc != 0
+    assert "must be destroyed and recreated" in refused.error() and "ct_force_recreate" in refused.error()
+    assert "unprivileged" not in pve.ct(200).config, "a refused change was applied"
+    forced = play(ct_unprivileged=True, ct_force_recreate=True)
+    assert forced.rc == 0, forced.error()
+    assert pve.ct(200).config.get("unprivileged") == 1 and pve.ct(200).status == "running"
+
+
+def test_bad_token_is_one_clear_error(pve, play) -> None:
+    run = play(pve_api_password="", pve_api_token_id="ci", pve_api_token_secret="wrong")
+    assert run.rc != 0
+    assert "authentication failed for root@pam!ci" in run.error() and "401" in run.error()
+    assert pve.ct(200) is None
+
+
+def test_unreachable_api_is_one_clear_error(play) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens on it once closed
+    run = play(pve_api_host="127.0.0.1", pve_api_port=port)
+    assert run.rc != 0
+    assert f"Proxmox API https://127.0.0.1:{port}" in run.error() and "connection refused" in run.error()
+
+
+def test_offline_node_is_one_clear_error(pve, play) -> None:
+    pve.set_node_offline("pve1")
+    run = play()
+    assert run.rc != 0 and "pve1" in run.error() and ("offline" in run.error() or "595" in run.error())
+
+
+def test_token_cannot_set_devn_so_auto_uses_raw_lines(pve, play, lab) -> None:
+    refused = play(
+        pve_api_password="", pve_api_token_id="ci", pve_api_token_secret="token-secret", ct_device_mode="api"
+    )
+    assert refused.rc != 0 and "root@pam" in refused.error()
+    run = play(
+        pve_api_password="",
+        pve_api_token_id="ci",
+        pve_api_token_secret="token-secret",
+        ct_features=[],
+        ct_device_mode="auto",
+    )
+    assert run.rc == 0, run.error()
+    assert devn(pve.ct(200).config) == {}
+    conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
+    for path in DEVICES:
+        rel = path.lstrip("/")
+        assert conf.count(f"lxc.mount.entry: {path} {rel} none bind,optional,create=file\n") == 1
+
+
+def test_devn_through_a_token_is_refused_by_the_api(pve) -> None:
+    """The contract the role relies on: with an ACL, Proxmox refuses devN to anyone but root@pam."""
+    from proxmoxer import ProxmoxAPI
+    from proxmoxer.core import ResourceException
+
+    pve.add_ct(201, "probe", status="stopped", config={"unprivileged": 0})
+    api = ProxmoxAPI(
+        pve.host,
+        port=pve.port,
+        user="root@pam",
+        token_name="ci",
+        token_value="token-secret",
+        verify_ssl=False,
+    )
+    with pytest.raises(ResourceException, match="only allowed for root@pam"):
+        api.nodes("pve1").lxc(201).config.put(dev0="/dev/nvidia0")
+
+
+def test_devices_stay_unduplicated_across_runs_and_rewrites(pve, play, lab) -> None:
+    assert play().rc == 0
+    conf = Path(lab["ct_pve_conf_dir"], "200.conf")
+    # What Proxmox does to the file between runs: its own keys first, a snapshot section after the main one.
+    conf.write_text(
+        "arch: amd64\ncores: 4\n" + conf.read_text() + "\n[before-upgrade]\narch: amd64\n"
+        "lxc.prlimit.memlock: unlimited\n"
+    )
+    # A hand-made duplicate, and a GPU dropped from the inventory.
+    pve.ct(200).config["dev9"] = "/dev/nvidia0"
+    for _ in range(2):
+        run = play(ct_gpus=[0])
+        assert run.rc == 0, run.error()
+    values = list(devn(pve.ct(200).config).values())
+    assert sorted(values) == sorted(d for d in DEVICES if d != "/dev/nvidia1")
+    assert len(values) == len(set(values))
+    text = conf.read_text()
+    main, _, snapshot = text.partition("[before-upgrade]")
+    assert main.count("lxc.prlimit.memlock: unlimited\n") == 1 and main.startswith("arch: amd64\ncores: 4\n")
+    assert snapshot == "\narch: amd64\nlxc.prlimit.memlock: unlimited\n", "the snapshot section was touched"
+    assert play(ct_gpus=[0]).changed == 0

@@ -1,0 +1,95 @@
+"""L2 container: CT 200 runs with the limits the inventory gives it (checked from inside the container).
+
+Runs against any inventory (`make verify INVENTORY=...`); device checks are skipped where ct_gpus is empty.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+GROUP = "training_cts"
+
+
+def plain(hostvars: dict[str, Any], key: str) -> Any:
+    """An inventory value as written, or None when it is a template the inventory alone cannot render."""
+    value = hostvars.get(key)
+    return None if isinstance(value, str) and "{{" in value else value
+
+
+def test_container_runs_systemd(host) -> None:
+    assert host.run("cat /proc/1/comm").stdout.strip() == "systemd"
+    state = host.run("systemctl is-system-running").stdout.strip()
+    assert state in ("running", "degraded"), f"systemd in the CT is {state!r}"
+
+
+def test_dev_shm_is_a_tmpfs_of_the_inventory_size(host, hostvars: dict[str, Any]) -> None:
+    shm = host.mount_point("/dev/shm")
+    assert shm.filesystem == "tmpfs", f"/dev/shm is {shm.filesystem}, not tmpfs"
+    want_kib = int(hostvars["ct_shm_size_mb"]) * 1024
+    sizes = [o for o in shm.options if o.startswith("size=")]
+    assert f"size={want_kib}k" in shm.options, (
+        f"/dev/shm {sizes or 'has no size'}, inventory wants {want_kib}k"
+    )
+
+
+def test_memory_limit_covers_shm_and_trainer(host, hostvars: dict[str, Any]) -> None:
+    out = host.run(
+        "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+    ).stdout.strip()
+    assert out, "no memory limit visible in the CT (cgroup v2 memory.max or v1 memory.limit_in_bytes)"
+    want = int(hostvars["ct_memory_mb"]) * 1024 * 1024
+    assert out != "max", f"the CT has no memory limit; inventory wants {want} bytes"
+    assert int(out) == want, (
+        f"memory limit {int(out) // 2**20} MiB, inventory wants {hostvars['ct_memory_mb']} MiB"
+    )
+    need = int(hostvars["ct_shm_size_mb"]) + int(hostvars.get("ct_trainer_memory_mb", 0))
+    assert int(hostvars["ct_memory_mb"]) >= need, (
+        "ct_memory_mb is below ct_shm_size_mb + ct_trainer_memory_mb"
+    )
+
+
+def test_memlock_limit(host, hostvars: dict[str, Any]) -> None:
+    line = next(
+        (
+            ln
+            for ln in host.file("/proc/1/limits").content_string.splitlines()
+            if ln.startswith("Max locked memory")
+        ),
+        "",
+    )
+    soft, hard = re.split(r"\s{2,}", line.strip())[1:3]
+    assert soft == hard, f"PID 1 memlock soft {soft} differs from hard {hard}"
+    want = plain(hostvars, "ct_memlock")
+    if want is not None:
+        assert soft == str(want), f"memlock is {soft}, inventory wants {want}"
+
+
+@pytest.fixture
+def gpus(hostvars: dict[str, Any]) -> list[int]:
+    gpus = hostvars.get("ct_gpus") or []
+    if not gpus:
+        pytest.skip("no GPUs in the inventory (ct_gpus empty)")
+    return [int(g) for g in gpus]
+
+
+def test_gpu_device_nodes_passed_through(host, gpus: list[int]) -> None:
+    for path in [f"/dev/nvidia{g}" for g in gpus] + [
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+    ]:
+        assert host.file(path).exists, f"{path} is missing in the CT"
+        assert host.run(f"test -c {path}").rc == 0, f"{path} is not a character device in the CT"
+        # Opening it proves the cgroup allows it (a listed but denied node fails with EPERM).
+        assert host.run(f"head -c0 {path}").rc == 0, (
+            f"{path} cannot be opened in the CT (cgroup device rule?)"
+        )
+
+
+def test_no_unexpected_gpu_nodes(host, gpus: list[int]) -> None:
+    present = host.run("ls /dev | grep -E '^nvidia[0-9]+$' || true").stdout.split()
+    extra = sorted(set(present) - {f"nvidia{g}" for g in gpus})
+    assert not extra, f"GPU nodes not in ct_gpus are visible in the CT: {extra}"

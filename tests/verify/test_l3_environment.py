@@ -1,0 +1,113 @@
+"""L3 environment: compilers for Triton, the trainer venv from the lock, on GPU hosts the NVIDIA userspace.
+
+Runs against any inventory (`make verify INVENTORY=...`); GPU checks are skipped where ct_gpus is empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+GROUP = "training_cts"
+
+
+def var(hostvars: dict[str, Any], key: str, default: str) -> str:
+    value = hostvars.get(key, default)
+    return default if isinstance(value, str) and "{{" in value else str(value)
+
+
+def venv(hostvars: dict[str, Any]) -> str:
+    return var(hostvars, "ct_venv_dir", "/opt/dflash/venv")
+
+
+def test_gcc_and_python_headers(host) -> None:
+    assert host.run("gcc --version").rc == 0, "gcc is missing (Triton compiles its launcher with it)"
+    assert host.run("test -f /usr/include/python3.11/Python.h").rc == 0, "python3-dev headers are missing"
+    compile_check = host.run(
+        "printf '#include <Python.h>\\nint main(void){return 0;}\\n' > /tmp/l3check.c && "
+        "gcc $(python3-config --includes) -c /tmp/l3check.c -o /tmp/l3check.o && rm -f /tmp/l3check.*"
+    )
+    assert compile_check.rc == 0, (
+        f"gcc cannot compile against Python.h: {compile_check.stderr.strip()[-200:]}"
+    )
+
+
+def test_venv_is_the_lock(host, hostvars: dict[str, Any]) -> None:
+    v = venv(hostvars)
+    stamp = host.file(f"{v}/.dflash-lock.sha256")
+    assert stamp.exists, f"{v} has no lock stamp: the install did not finish"
+    freeze = host.run(f"{v}/bin/python -m pip freeze --disable-pip-version-check").stdout.lower()
+    for pin in ("torch==2.13.0", "transformers==", "triton==", "flash-linear-attention=="):
+        assert pin in freeze, f"{pin} is not installed in {v}"
+
+
+def test_environment_imports(host, hostvars: dict[str, Any]) -> None:
+    code = "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__)"
+    out = host.run(f"{venv(hostvars)}/bin/python -c '{code}'")
+    assert out.rc == 0, f"imports failed: {out.stderr.strip().splitlines()[-1:]}"
+
+
+def test_trainer_cli_answers(host, hostvars: dict[str, Any]) -> None:
+    out = host.run(f"{venv(hostvars)}/bin/dflash-train --version")
+    assert out.rc == 0, f"dflash-train --version failed: {(out.stderr or out.stdout).strip()[-200:]}"
+    assert out.stdout.strip(), "dflash-train --version printed nothing"
+
+
+def test_triton_cache_dir(host, hostvars: dict[str, Any]) -> None:
+    cache = var(hostvars, "ct_triton_cache_dir", "/var/cache/dflash/triton")
+    assert host.file(cache).is_directory, f"{cache} is missing"
+    env = host.file(var(hostvars, "ct_env_file", "/etc/dflash/environment"))
+    assert env.exists and f"TRITON_CACHE_DIR={cache}" in env.content_string, (
+        "TRITON_CACHE_DIR not in the environment file"
+    )
+
+
+@pytest.fixture
+def gpus(hostvars: dict[str, Any]) -> list[int]:
+    gpus = hostvars.get("ct_gpus") or []
+    if not gpus:
+        pytest.skip("no GPUs in the inventory (ct_gpus empty)")
+    return [int(g) for g in gpus]
+
+
+def test_nvidia_userspace_matches_host_module(host, gpus: list[int]) -> None:
+    module = host.run("cat /proc/driver/nvidia/version").stdout
+    smi = host.run("nvidia-smi --query-gpu=driver_version --format=csv,noheader")
+    assert smi.rc == 0, f"nvidia-smi failed in the CT: {smi.stderr.strip()[-200:]}"
+    versions = set(smi.stdout.split())
+    assert len(versions) == 1 and next(iter(versions)) in module, (
+        f"userspace {versions} vs host module: {module!r}"
+    )
+    assert host.run("ls /lib/modules/*/kernel/drivers/video/nvidia*.ko 2>/dev/null").stdout == "", (
+        "kernel module in CT"
+    )
+
+
+def test_every_gpu_visible(host, hostvars: dict[str, Any], gpus: list[int]) -> None:
+    out = host.run(f"{venv(hostvars)}/bin/python -c 'import torch; print(torch.cuda.device_count())'")
+    assert out.rc == 0, out.stderr.strip()[-200:]
+    assert int(out.stdout.strip()) == len(gpus), (
+        f"torch sees {out.stdout.strip()} GPUs, ct_gpus has {len(gpus)}"
+    )
+
+
+TRITON_KERNEL = """
+import torch, triton, triton.language as tl
+@triton.jit
+def add(x, y, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
+x = torch.arange(1000, device="cuda", dtype=torch.float32); o = torch.empty_like(x)
+add[(4,)](x, x, o, 1000, BLOCK=256)
+assert torch.equal(o, 2 * x); print("ok")
+"""
+
+
+def test_triton_kernel_compiles_and_runs(host, hostvars: dict[str, Any], gpus: list[int]) -> None:
+    host.run(f"cat > /tmp/l3_triton.py <<'EOF'\n{TRITON_KERNEL}\nEOF")
+    out = host.run(f"set -a; . /etc/dflash/environment; {venv(hostvars)}/bin/python /tmp/l3_triton.py")
+    assert out.rc == 0 and out.stdout.strip().endswith("ok"), (
+        f"Triton kernel failed: {out.stderr.strip()[-300:]}"
+    )
