@@ -89,7 +89,9 @@ def ensure_bucket() -> bool:
 
 
 def upload(local: Path, prefix: str) -> bool:
-    out = aws(SETTINGS, "s3", "sync", "--no-progress", "--delete", str(local), f"s3://{BUCKET}/{prefix}").stdout
+    out = aws(
+        SETTINGS, "s3", "sync", "--no-progress", "--delete", str(local), f"s3://{BUCKET}/{prefix}"
+    ).stdout
     return bool(out.strip())
 
 
