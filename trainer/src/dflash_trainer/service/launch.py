@@ -1,0 +1,117 @@
+"""`dflash-train launch --nproc-per-node N -- serve CONFIG`: the unit's main process, watching the ranks.
+
+Why not torchrun as the main process: after SIGTERM its agent raises SignalException and exits 1 even when
+every rank saved and exited 0 (the unit would end `failed` on every `systemctl stop`), and it SIGKILLs
+ranks still saving after its shutdown timeout. This launcher gives each rank torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, so `init_process_group("env://")` works
+unchanged) and:
+- forwards SIGTERM/SIGINT to every rank and waits for them without a timeout of its own (TimeoutStopSec is the
+  limit); exits 0 when every rank exited 0;
+- when a rank dies (exception, OOM kill, kill -9) logs its rank and cause, SIGKILLs the others (they would
+  hang in their next collective, and a save now would mix steps across ranks) and exits 1, so
+  Restart=on-failure restarts the job, which resumes from the newest checkpoint;
+- ranks carry PR_SET_PDEATHSIG=SIGKILL: when the launcher is killed (the watchdog's signal, KillMode=mixed
+  sends it to the main process alone) no rank outlives it, even a stopped one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from dflash_trainer.service.logs import setup_logging
+
+log = logging.getLogger("dflash_trainer.launch")
+PR_SET_PDEATHSIG = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (the kernel's or systemd's OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- serve CONFIG [options]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the rank command after --, e.g. -- serve /etc/dflash/train.toml")
+    setup_logging(role="launcher")
+    n = args.nproc_per_node
+    port = _free_port()
+    me = os.getpid()
+    procs: dict[int, subprocess.Popen] = {}
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            log.info("%s: asking %d rank(s) to save and exit", signal.Signals(signum).name, len(procs))
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    base = {k: v for k, v in os.environ.items() if k != "RANK"}
+    for r in range(n):
+        env = base | {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_WORLD_SIZE": str(n),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DFLASH_NPROC": str(n),
+        }
+        cmd = [sys.executable, "-m", "dflash_trainer.service", *command]
+        procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(me))
+    log.info("started %d rank(s): %s", n, " ".join(f"{r}=pid {p.pid}" for r, p in procs.items()))
+
+    failed: tuple[int, int] | None = None
+    while True:
+        codes = {r: p.poll() for r, p in procs.items()}
+        bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
+        if bad and failed is None:
+            failed = bad[0]
+            log.error("rank %d %s; stopping the other ranks", failed[0], _describe(failed[1]))
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            for p in procs.values():
+                p.wait()
+            return 1
+        if all(c is not None for c in codes.values()):
+            break
+        time.sleep(0.1)
+    how = "stopped" if stopping else "finished"
+    log.info("all %d rank(s) %s cleanly", n, how)
+    return 0

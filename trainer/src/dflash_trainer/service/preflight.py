@@ -1,0 +1,455 @@
+"""`dflash-train preflight CONFIG [--json]`: what a run needs, checked in seconds, before any model loads.
+
+One line per check; each failure is ONE line that names the fix. Exit 1 on any failure (2 on bad usage).
+The unit runs it as ExecStartPre, so a broken machine fails the start in seconds, with the reason in the
+journal, instead of after the target has spent a minute loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_trainer.config import ConfigError, TrainConfig, load_config, read_target_info, validate
+
+GiB = 1 << 30
+PROVISION_L4 = "make provision TAGS=l4 (restages the model and re-syncs the shards)"
+
+
+class Failed(Exception):
+    def __init__(self, detail: str, fix: str) -> None:
+        super().__init__(detail)
+        self.detail, self.fix = detail, fix
+
+
+class Skipped(Exception):
+    """Not applicable here (the reason is shown)."""
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    skipped: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Context:
+    config_path: Path
+    nproc: int
+    cfg: TrainConfig | None = None
+    facts: dict = field(default_factory=dict)
+
+    def need_cfg(self) -> TrainConfig:
+        if self.cfg is None:
+            raise Skipped("the configuration did not load")
+        return self.cfg
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_config(ctx: Context) -> str:
+    try:
+        ctx.cfg = load_config(ctx.config_path, check_paths=False)
+    except ConfigError as e:
+        raise Failed(str(e), f"edit {ctx.config_path} (the key named)") from None
+    return f"{ctx.config_path} valid"
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def check_model(ctx: Context) -> str:
+    from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
+
+    cfg = ctx.need_cfg()
+    path = cfg.model.target_path
+    if not path.is_dir():
+        raise Failed(f"model.target_path {path}: no such directory", PROVISION_L4)
+    problems = check_manifest(path)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        fix = (
+            PROVISION_L4
+            if (path / MANIFEST_NAME).exists()
+            else f"write {path / MANIFEST_NAME}: {PROVISION_L4}"
+        )
+        raise Failed(f"model {path}: {problems[0]}{more}", fix)
+    try:
+        info = read_target_info(path)
+        validate(cfg, target=info)
+    except ConfigError as e:
+        raise Failed(str(e), f"edit {ctx.config_path} or stage the intended target") from None
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    ctx.facts["model_bytes"] = _dir_bytes(path)
+    ctx.facts["hybrid"] = "linear_attention" in (text.get("layer_types") or [])
+    ctx.facts["target"] = info
+    return (
+        f"{path}: matches its manifest, {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"{ctx.facts['model_bytes'] / GiB:.2f} GiB"
+        + (", hybrid (linear attention)" if ctx.facts["hybrid"] else "")
+    )
+
+
+def check_shards(ctx: Context) -> str:
+    import pyarrow as pa
+
+    from dflash_trainer.data.shards import DataError, list_shards
+    from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
+
+    cfg = ctx.need_cfg()
+    path = cfg.data.shards
+    if not path.is_dir():
+        raise Failed(f"data.shards {path}: no such directory", PROVISION_L4)
+    problems = check_manifest(path)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        fix = (
+            PROVISION_L4
+            if (path / MANIFEST_NAME).exists()
+            else f"write {path / MANIFEST_NAME}: {PROVISION_L4}"
+        )
+        raise Failed(f"shards {path}: {problems[0]}{more}", fix)
+    try:
+        shards = list_shards(path)
+    except DataError as e:
+        raise Failed(str(e), PROVISION_L4) from None
+    for shard in shards:  # the footer only: a truncated or foreign file fails here
+        try:
+            pa.ipc.open_file(pa.memory_map(str(shard), "r"))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise Failed(f"shard {shard}: not a complete Arrow IPC file ({e})", PROVISION_L4) from None
+    return f"{path}: {len(shards)} shards match their manifest and open"
+
+
+def drafter_param_count(cfg: TrainConfig) -> int:
+    d = cfg.drafter
+    h = d.hidden_size or 0
+    inter = d.intermediate_size or 0
+    heads, kv, hd = d.num_attention_heads or 0, d.num_key_value_heads or 0, d.head_dim or 0
+    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h + 2 * hd
+    k = len(d.target_layer_ids or [])
+    return d.num_layers * per_layer + k * h * h + 2 * h
+
+
+def check_disk(ctx: Context) -> str:
+    cfg = ctx.need_cfg()
+    directory = Path(cfg.train.checkpoint_dir)
+    if "target" not in ctx.facts:
+        raise Skipped("needs the model check")
+    params = drafter_param_count(cfg)
+    # fp32 weights + two AdamW moments (state.pt) + the fp32 EMA (ema.pt); keep_last + 1 exist during a save.
+    per_ckpt = params * 16
+    need = per_ckpt * (cfg.train.keep_last + 1)
+    probe = directory if directory.exists() else next((p for p in directory.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK):
+        raise Failed(
+            f"train.checkpoint_dir {directory}: {probe} is not writable", f"fix the permissions of {probe}"
+        )
+    free = shutil.disk_usage(probe).free
+    ctx.facts["checkpoint_bytes"] = per_ckpt
+    if free < need:
+        raise Failed(
+            f"train.checkpoint_dir {directory}: {free / GiB:.1f} GiB free, "
+            f"{cfg.train.keep_last + 1} checkpoints of {per_ckpt / GiB:.2f} GiB need {need / GiB:.1f} GiB",
+            "free disk space, lower train.keep_last, or move train.checkpoint_dir",
+        )
+    return f"{directory}: {free / GiB:.1f} GiB free for {cfg.train.keep_last + 1} x {per_ckpt / GiB:.2f} GiB"
+
+
+def check_shm(ctx: Context) -> str:
+    if "model_bytes" not in ctx.facts:
+        raise Skipped("needs the model check")
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        raise Failed("/dev/shm does not exist", "mount a tmpfs on /dev/shm (the CT's shm entry, layer L2)")
+    usage = shutil.disk_usage(shm)
+    model = ctx.facts["model_bytes"]
+    staged = str(ctx.need_cfg().model.target_path).startswith("/dev/shm/")
+    # NCCL and the data loaders take shared memory per rank; keep 64 MiB each beyond the model.
+    need = model + ctx.nproc * (64 << 20)
+    if usage.total < need:
+        raise Failed(
+            f"/dev/shm is {usage.total / GiB:.2f} GiB, the model ({model / GiB:.2f} GiB) and "
+            f"{ctx.nproc} ranks need {need / GiB:.2f} GiB",
+            "raise ct_shm_size_mb (layer L2) and the CT memory limit with it",
+        )
+    where = "staged there" if staged else "not staged there"
+    return f"/dev/shm {usage.total / GiB:.2f} GiB, model {model / GiB:.2f} GiB ({where})"
+
+
+def check_memlock(ctx: Context) -> str:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return "unlimited"
+    text = f"{soft // 1024} KiB"
+    if ctx.facts.get("device") == "cuda":
+        raise Failed(
+            f"memlock limit is {text}: pinned host buffers (EMA copies, hidden-state transfers) fail",
+            "LimitMEMLOCK=infinity in the unit and lxc.prlimit.memlock: unlimited on the CT (layer L2)",
+        )
+    return f"{text} (enough on CPU; CUDA runs need LimitMEMLOCK=infinity)"
+
+
+def _device_kind(cfg: TrainConfig) -> str:
+    import torch
+
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device
+
+
+def check_devices(ctx: Context) -> str:
+    import torch
+
+    cfg = ctx.need_cfg()
+    kind = _device_kind(cfg)
+    ctx.facts["device"] = kind
+    topo = cfg.topology
+    fixed = [v for v in (topo.targets, topo.drafters) if v != "auto"]
+    wanted = sum(fixed) if len(fixed) == 2 else None
+    if wanted is not None and wanted != ctx.nproc:
+        raise Failed(
+            f"topology has {topo.targets} target + {topo.drafters} drafter ranks = {wanted}, "
+            f"the launch starts {ctx.nproc}",
+            "set trainer_service_nproc (--nproc-per-node of the unit) to their sum, or fix [topology]",
+        )
+    model = ctx.facts.get("model_bytes", 0)
+    drafter = drafter_param_count(cfg) * 16 if "target" in ctx.facts else 0
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise Failed(
+                "train.device is cuda but no CUDA device is visible",
+                "check the GPU passthrough (L2) and driver (L1)",
+            )
+        count = torch.cuda.device_count()
+        if count < ctx.nproc:
+            raise Failed(
+                f"{ctx.nproc} ranks, {count} GPUs visible", "pass all GPUs to the CT (ct_gpus, layer L2)"
+            )
+        need = max(model, drafter) + (2 * GiB)
+        short = []
+        for i in range(ctx.nproc):
+            free, total = torch.cuda.mem_get_info(i)
+            if free < need:
+                short.append(f"GPU {i}: {free / GiB:.1f} of {total / GiB:.1f} GiB free")
+        if short:
+            raise Failed(
+                f"{'; '.join(short)}; a rank needs about {need / GiB:.1f} GiB",
+                "stop what else holds the GPUs (nvidia-smi) or use more target ranks",
+            )
+        name = torch.cuda.get_device_name(0)
+        return f"{count} x {name}; {ctx.nproc} ranks; about {need / GiB:.1f} GiB needed per rank"
+    available = _mem_available()
+    need = model * max(1, ctx.nproc) + drafter
+    if available is not None and available < need:
+        raise Failed(
+            f"{available / GiB:.1f} GiB RAM available, {ctx.nproc} ranks need about {need / GiB:.1f} GiB",
+            "raise the CT memory limit (ct_memory_mb, layer L2) or run fewer ranks",
+        )
+    cores = os.cpu_count() or 1
+    return f"cpu: {ctx.nproc} ranks on {cores} cores, {(available or 0) / GiB:.1f} GiB RAM available"
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_compiler(ctx: Context) -> str:
+    cfg = ctx.need_cfg()
+    needed = ctx.facts.get("device") == "cuda" or cfg.train.compile
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = [
+        m
+        for m, ok in (("a C compiler (cc/gcc)", cc), (f"Python headers ({header})", header.exists()))
+        if not ok
+    ]
+    if missing:
+        if not needed:
+            raise Skipped(f"{' and '.join(missing)} missing, not needed on CPU without train.compile")
+        raise Failed(
+            f"{' and '.join(missing)} missing: Triton builds its launcher with them",
+            "apt-get install gcc python3-dev (layer L3: make provision TAGS=l3)",
+        )
+    return f"{cc}, {header}"
+
+
+_TRITON_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def add(x, y, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + i, tl.load(x + i, mask=i < n) + tl.load(y + i, mask=i < n), mask=i < n)
+x = torch.arange(1000, device="cuda", dtype=torch.float32); out = torch.empty_like(x)
+add[(4,)](x, x, out, 1000, BLOCK=256)
+assert torch.equal(out, 2 * x), "wrong result"
+"""
+
+_FLA_PROBE = """
+import torch
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+B, T, H, K = 1, 64, 2, 64
+q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+k = torch.nn.functional.normalize(k, dim=-1)
+g = -torch.rand(B, T, H, device="cuda", dtype=torch.float32)
+beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+assert torch.isfinite(o.float()).all(), "non-finite output"
+"""
+
+
+def _probe(code: str, timeout: float) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
+
+
+def check_triton(ctx: Context) -> str:
+    if ctx.facts.get("device") != "cuda":
+        raise Skipped("no GPU: Triton kernels run on the GPU machine")
+    try:
+        _probe(_TRITON_PROBE, 120)
+    except Exception as e:
+        raise Failed(
+            f"a small Triton kernel did not compile and run: {e}",
+            "install gcc and python3-dev (L3); check the driver (L1)",
+        ) from None
+    if not ctx.facts.get("hybrid"):
+        return "a Triton kernel compiled and ran"
+    try:
+        _probe(_FLA_PROBE, 240)
+    except Exception as e:
+        raise Failed(
+            f"the FLA gated-delta-rule kernel failed: {e}",
+            "reinstall the trainer lock (flash-linear-attention, triton; L3)",
+        ) from None
+    return "a Triton kernel and the FLA gated-delta-rule kernel compiled and ran"
+
+
+def check_trackers(ctx: Context) -> str:
+    from dflash_trainer.service import trackers
+
+    cfg = ctx.need_cfg()
+    names = trackers.configured(cfg)
+    problems = trackers.wandb_settings_problems(cfg, os.environ)
+    if problems:
+        raise Failed(problems[0], f"edit {ctx.config_path} [trackers] or /etc/dflash/secrets.env")
+    if not names:
+        return "none configured"
+    done = []
+    for name in names:
+        try:
+            __import__("wandb" if name == "wandb" else "torch.utils.tensorboard")
+        except ImportError as e:
+            raise Failed(
+                f"tracker {name} does not import: {e}",
+                "reinstall the trainer lock (L3), or remove it from [trackers]",
+            ) from None
+        api = trackers.check_api(trackers.WANDB_NEEDS if name == "wandb" else trackers.TENSORBOARD_NEEDS)
+        if api:
+            raise Failed(
+                f"tracker {name} API mismatch: {api[0]}",
+                "pin the tracker version the trainer lock names (L3)",
+            )
+        with tempfile.TemporaryDirectory(prefix=f"preflight-{name}-") as scratch:
+            try:
+                trackers.try_offline(cfg, name, Path(scratch))
+            except Exception as e:
+                raise Failed(
+                    f"tracker {name} did not start offline: {type(e).__name__}: {e}",
+                    f"fix [trackers] in {ctx.config_path}",
+                ) from None
+        done.append(name)
+    return f"{', '.join(done)}: import, API and an offline start OK"
+
+
+CHECKS: list[tuple[str, Callable[[Context], str]]] = [
+    ("config", check_config),
+    ("model", check_model),
+    ("shards", check_shards),
+    ("devices", check_devices),
+    ("disk", check_disk),
+    ("shm", check_shm),
+    ("memlock", check_memlock),
+    ("compiler", check_compiler),
+    ("triton", check_triton),
+    ("trackers", check_trackers),
+]
+
+
+def run_checks(config_path: Path, *, nproc: int = 1) -> list[Check]:
+    ctx = Context(Path(config_path), nproc)
+    results = []
+    for name, fn in CHECKS:
+        start = time.perf_counter()
+        try:
+            check = Check(name, True, fn(ctx))
+        except Failed as e:
+            check = Check(name, False, e.detail, e.fix)
+        except Skipped as e:
+            check = Check(name, True, str(e), skipped=True)
+        except Exception as e:
+            check = Check(name, False, f"{type(e).__name__}: {e}", "report this preflight crash")
+        check.seconds = time.perf_counter() - start
+        results.append(check)
+    return results
+
+
+def format_line(c: Check) -> str:
+    if not c.ok:
+        return f"FAIL {c.name}: {c.detail} -- fix: {c.fix}"
+    return f"{'skip' if c.skipped else 'ok  '} {c.name}: {c.detail}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-train preflight", description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=int(os.environ.get("DFLASH_NPROC", "1")),
+        help="ranks the launch will start (default $DFLASH_NPROC or 1)",
+    )
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    checks = run_checks(args.config, nproc=args.nproc)
+    elapsed = time.perf_counter() - start
+    ok = all(c.ok for c in checks)
+    if args.json:
+        print(json.dumps({"ok": ok, "seconds": round(elapsed, 3), "checks": [asdict(c) for c in checks]}))
+    else:
+        for c in checks:
+            print(format_line(c), file=sys.stdout if c.ok else sys.stderr, flush=True)
+        failed = [c.name for c in checks if not c.ok]
+        summary = f"preflight {'passed' if ok else 'FAILED (' + ', '.join(failed) + ')'} in {elapsed:.1f} s"
+        print(summary, file=sys.stdout if ok else sys.stderr, flush=True)
+    return 0 if ok else 1

@@ -1,0 +1,182 @@
+"""`dflash-train smoke prepare|report`: the trainer's half of `make smoke-train`.
+
+`prepare CONFIG --out DIR` writes DIR/smoke.toml: the real configuration with its checkpoints, tensorboard and
+step horizon moved into DIR (wandb left out: a smoke run writes to no team dashboard). The script then runs
+`serve` twice as a transient unit (steps 1..STOP, SIGTERM, then a resume to STEPS), and `report DIR` checks
+what those runs left and prints the summary and one PASS or FAIL line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PATH_KEYS = {
+    ("model", "target_path"),
+    ("data", "shards"),
+    ("train", "checkpoint_dir"),
+    ("trackers", "tensorboard"),
+}
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for name, table in tables.items():
+        out.append(f"[{name}]")
+        for key, value in table.items():
+            out.append(f"{key if _BARE.match(key) else json.dumps(key)} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
+    raw = tomllib.loads(config.read_text())
+    base = config.resolve().parent
+    for section, key in PATH_KEYS:  # relative paths resolve against the original file's directory
+        value = raw.get(section, {}).get(key)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            raw[section][key] = str((base / value).resolve())
+    out.mkdir(parents=True, exist_ok=True)
+    train = raw.setdefault("train", {})
+    train.update(
+        checkpoint_dir=str(out / "checkpoints"),
+        max_steps=steps,
+        checkpoint_every=max(1, stop_at * 3 // 5),  # a periodic save before the stop's own save
+        keep_last=max(int(train.get("keep_last", 3)), 5),
+        log_every=min(int(train.get("log_every", 10)), 10),
+        ema_every=min(int(train.get("ema_every", 10)), 10),
+    )
+    if int(train.get("eval_every", 0)) > steps:
+        train["eval_every"] = steps
+    trackers = {"tensorboard": str(out / "tensorboard")}
+    raw["trackers"] = trackers
+    service = raw.setdefault("service", {})
+    service["status_every"] = min(int(service.get("status_every", 10)), 10)
+    path = out / "smoke.toml"
+    path.write_text(f"# Written by `dflash-train smoke prepare {config}`.\n" + dump_toml(raw))
+    return path
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
+    import torch
+
+    from dflash_trainer.checkpoint import list_checkpoints
+
+    problems: list[str] = []
+    lines: list[str] = []
+    phases = []
+    for phase in ("phase1", "phase2"):
+        found = sorted((out / phase).glob("summary-rank*.json"))
+        if not found:
+            problems.append(f"{phase}: no rank wrote a summary (see the journal above)")
+        phases.append([json.loads(p.read_text()) for p in found])
+    p1, p2 = phases
+    for phase, summaries in (("phase1", p1), ("phase2", p2)):
+        for s in summaries:
+            if s.get("exit_code") != 0:
+                problems.append(f"{phase}: rank {s['rank']} exited with {s.get('exit_code')}")
+            if s.get("trackers_failed"):
+                problems.append(f"{phase}: rank {s['rank']} trackers failed: {s['trackers_failed']}")
+    ckpts = [p.name for p in list_checkpoints(out / "checkpoints")]
+    if p1 and any(s.get("last_step") != stop_at for s in p1):
+        problems.append(
+            f"phase 1 ended at step {[s.get('last_step') for s in p1]}, not at the stop step {stop_at}"
+        )
+    if p2:
+        firsts = {s.get("first_step") for s in p2}
+        if firsts != {stop_at + 1}:
+            problems.append(f"phase 2 began at step {sorted(map(str, firsts))}, not {stop_at + 1}: no resume")
+        if any(s.get("last_step") != steps for s in p2):
+            problems.append(f"phase 2 ended at step {[s.get('last_step') for s in p2]}, not {steps}")
+    final = out / "checkpoints" / f"step-{steps:08d}"
+    if final.is_dir():
+        ema = torch.load(final / "ema.pt", map_location="cpu", weights_only=True)
+        if not ema.get("num_updates"):
+            problems.append("the EMA was never updated")
+        else:
+            lines.append(f"EMA updates: {ema['num_updates']}")
+    else:
+        problems.append(f"no final checkpoint {final.name}")
+    events = [p for p in (out / "tensorboard").rglob("events.out.tfevents.*") if p.stat().st_size > 0]
+    if not events:
+        problems.append(f"no tensorboard events under {out / 'tensorboard'}")
+    else:
+        lines.append(
+            f"tensorboard: {len(events)} event file(s), {sum(p.stat().st_size for p in events)} bytes"
+        )
+    if p1 and p2:
+        lines.insert(
+            0,
+            f"steps: 1-{stop_at}, SIGTERM, resumed {stop_at + 1}-{steps}; checkpoints now {', '.join(ckpts)}",
+        )
+        first = (
+            min(s["first_step_at"] for s in p1 if s.get("first_step_at"))
+            if any(s.get("first_step_at") for s in p1)
+            else None
+        )
+        start = t0 if t0 is not None else min(s["started"] for s in p1)
+        label = "since `make smoke-train`" if t0 is not None else "since the unit started"
+        if first is not None:
+            lines.append(f"time to first step: {first - start:.1f} s {label}")
+        for s in sorted(p2, key=lambda s: s["rank"]):
+            rate = s.get("tokens_per_s")
+            lines.append(
+                f"rank {s['rank']} {s['role']}: {rate:.0f} tokens/s" if rate else f"rank {s['rank']}: no rate"
+            )
+            for dev, n in s["peak_memory_bytes"].items():
+                lines.append(f"  peak memory {dev}: {_gib(n)}")
+    print("---- smoke summary")
+    for line in lines:
+        print(line)
+    for p in problems:
+        print(f"problem: {p}")
+    print("PASS" if not problems else f"FAIL ({len(problems)} problem(s))")
+    return 0 if not problems else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-train smoke", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("prepare", help="write OUT/smoke.toml from the real configuration")
+    p.add_argument("config", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("report", help="check what the two phases left; print the summary and PASS or FAIL")
+    r.add_argument("out", type=Path)
+    r.add_argument("--t0", type=float, default=None, help="epoch seconds `make smoke-train` started")
+    for q in (p, r):
+        q.add_argument("--steps", type=int, default=100)
+        q.add_argument("--stop-at", type=int, default=50)
+    args = parser.parse_args(argv)
+    if not 0 < args.stop_at < args.steps:
+        parser.error("--stop-at must lie between 0 and --steps")
+    if args.action == "prepare":
+        print(prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at))
+        return 0
+    return report(args.out, steps=args.steps, stop_at=args.stop_at, t0=args.t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
