@@ -63,6 +63,7 @@ def test_memory_below_shm_plus_trainer_refused_before_any_api_call(pve, play) ->
     assert not [r for r in pve.requests if "/lxc" in r[1] or "/storage" in r[1]], "the API was used"
 
 
+@pytest.mark.slow  # three or more playbook runs
 def test_recreation_refused_unless_forced(pve, play) -> None:
     assert play().rc == 0
     refused = play(ct_unprivileged=True)
@@ -134,6 +135,7 @@ def test_devn_through_a_token_is_refused_by_the_api(pve) -> None:
         api.nodes("pve1").lxc(201).config.put(dev0="/dev/nvidia0")
 
 
+@pytest.mark.slow  # three or more playbook runs
 def test_devices_stay_unduplicated_across_runs_and_rewrites(pve, play, lab) -> None:
     assert play().rc == 0
     conf = Path(lab["ct_pve_conf_dir"], "200.conf")
