@@ -1,4 +1,4 @@
-"""Failing loudly: every way a rank dies ends the job within seconds, with `rank R (role, device): cause` logged.
+"""Failing loudly: any rank's death ends the job within seconds, logged as `rank R (role, device): cause`.
 
 - A rank that raises (OOM included) logs the cause (for a CUDA OOM with the allocator's abbreviated memory
   summary), publishes it in the job's TCP store and exits non-zero; torchrun then stops the other local ranks,
@@ -13,6 +13,7 @@ Fault injection for tests: DFLASH_FAULT="rank=1,step=3,kind=raise|kill|oom".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,9 +35,9 @@ EXIT_PEER = 3  # a peer failed or vanished; this rank stopped because of it
 FAKE_OOM = (
     "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 94.97 GiB of which "
     "1.12 GiB is free. Including non-PyTorch memory, this process has 93.84 GiB memory in use. Of the "
-    "allocated memory 88.41 GiB is allocated by PyTorch, and 3.87 GiB is reserved by PyTorch but unallocated. "
-    "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-    "to avoid fragmentation. (injected by DFLASH_FAULT)"
+    "allocated memory 88.41 GiB is allocated by PyTorch, and 3.87 GiB is reserved by PyTorch but "
+    "unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (injected by DFLASH_FAULT)"
 )
 
 
@@ -107,13 +108,16 @@ class PeerMonitor:
     """Heartbeats in the job's TCP store, and a thread that stops this rank when a peer fails or vanishes.
 
     Counters only (store.add), so hosts need no common clock: a peer whose counter has not moved for
-    `dead_after` seconds of this rank's own clock is presumed dead. The keys are namespaced by torchrun's run id
-    and restart count, so a restarted attempt never reads the previous attempt's failures.
+    `dead_after` seconds of this rank's own clock is presumed dead. The keys are namespaced by torchrun's run
+    id and restart count, so a restarted attempt never reads the previous attempt's failures.
     """
 
-    def __init__(self, me: Identity, world_size: int, *, interval: float = 1.0, dead_after: float = 15.0) -> None:
+    def __init__(
+        self, me: Identity, world_size: int, *, interval: float = 1.0, dead_after: float = 15.0
+    ) -> None:
         self.me, self.world_size, self.interval, self.dead_after = me, world_size, interval, dead_after
-        prefix = f"dflash/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        prefix = f"dflash/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         self.store = dist.PrefixStore(prefix, self._client())
         self._prefix = prefix
@@ -143,6 +147,17 @@ class PeerMonitor:
         except Exception as e:  # the store may be what failed; the log line is already out
             log.error("%s: could not publish the failure to the job store: %s", self.me, e)
 
+    def peer_failure(self) -> str | None:
+        """The cause a peer published, if any (from the main thread, on its own connection)."""
+        try:
+            store = dist.PrefixStore(self._prefix, self._client())
+            if store.add("failed", 0) == 0:
+                return None
+            failed = [r for r in range(self.world_size) if r != self.me.rank and store.check([f"failed/{r}"])]
+            return " | ".join(store.get(f"failed/{r}").decode() for r in failed) or None
+        except Exception:
+            return None
+
     def done(self) -> None:
         """Normal end: stop beating without being taken for dead. Idempotent."""
         if self._stop.is_set():
@@ -150,13 +165,11 @@ class PeerMonitor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        try:
+        with contextlib.suppress(Exception):  # the store's host may be gone already
             self.store.add(f"done/{self.me.rank}", 1)
-        except Exception:
-            pass
 
     def _stop_job(self, why: str) -> None:
-        log.critical("%s: stopping: %s", self.me, why)
+        log.critical("stopping: %s", why)
         logging.shutdown()
         sys.stderr.flush()
         os._exit(EXIT_PEER)  # from a thread, past a main thread stuck in a collective
@@ -188,23 +201,43 @@ class PeerMonitor:
             except Exception as e:
                 if self._stop.is_set():
                     return
-                self._stop_job(f"lost the job's store at {self._addr[0]}:{self._addr[1]} ({e}); its host is gone")
+                self._stop_job(
+                    f"lost the job's store at {self._addr[0]}:{self._addr[1]} ({e}); its host is gone"
+                )
 
 
 def log_failure(me: Identity, exc: BaseException, device: torch.device | str) -> str:
+    """The log format puts `rank R (role, device on host): ` before the message (launch._setup_logging)."""
     cause = describe(exc, device)
     tb = "".join(traceback.format_exception(exc))
-    log.critical("%s: %s\n%s", me, cause, tb)
+    log.critical("%s\n%s", cause, tb)
+    exc.__dflash_reported__ = True  # type: ignore[attr-defined]  # the excepthook need not log it again
     return cause
+
+
+def handle_failure(
+    me: Identity, exc: BaseException, device: torch.device | str, monitor: PeerMonitor
+) -> None:
+    """From the rank's main thread. A peer that failed first is the cause, and this rank's own error (a
+    closed connection, a timeout) only its consequence: say so and leave, so the root cause stands alone."""
+    first = monitor.peer_failure()
+    if first is not None:
+        log.error("stopping: peer failed: %s (here: %s: %s)", first, type(exc).__name__, str(exc)[:200])
+        monitor.done()
+        logging.shutdown()
+        os._exit(EXIT_PEER)
+    cause = log_failure(me, exc, device)
+    monitor.publish_failure(cause.splitlines()[0])
 
 
 def install_excepthooks(me: Identity, device: torch.device | str, monitor: PeerMonitor | None) -> None:
     """Uncaught exceptions in any thread: log `rank R (role, device): cause`, tell the peers, exit."""
 
     def handle(exc: BaseException) -> None:
-        cause = log_failure(me, exc, device)
-        if monitor is not None:
-            monitor.publish_failure(cause.splitlines()[0])
+        if not getattr(exc, "__dflash_reported__", False):
+            cause = log_failure(me, exc, device)
+            if monitor is not None:
+                monitor.publish_failure(cause.splitlines()[0])
         logging.shutdown()
         os._exit(EXIT_FAILED)
 

@@ -26,8 +26,8 @@ from dflash_trainer.distributed.failure import (
     Identity,
     PeerMonitor,
     fault_from_env,
+    handle_failure,
     install_excepthooks,
-    log_failure,
 )
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
@@ -75,17 +75,29 @@ def _device(cpu: bool) -> tuple[torch.device, str]:
 
 
 def _setup_logging(me: Identity) -> None:
-    fmt = f"%(asctime)s {me}: %(levelname)s %(message)s"
+    fmt = f"%(asctime)s %(levelname)s {me}: %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
 
 
-def _build(args: argparse.Namespace, role: Role, device: torch.device, drafters: dist.ProcessGroup, topo: Any):
+def _build(
+    args: argparse.Namespace, role: Role, device: torch.device, drafters: dist.ProcessGroup, topo: Any
+):
     """(producer or consumer, wire format, steps, start step) for this rank's role."""
     if args.synthetic:
-        from dflash_trainer.distributed.work_synthetic import SyntheticConsumer, SyntheticProducer, SyntheticSpec
+        from dflash_trainer.distributed.work_synthetic import (
+            SyntheticConsumer,
+            SyntheticProducer,
+            SyntheticSpec,
+        )
 
-        spec = SyntheticSpec(args.rows, args.seq_len, args.features, target_s=args.target_s, drafter_s=args.drafter_s)
-        work = SyntheticProducer(spec, device) if role is Role.TARGET else SyntheticConsumer(spec, device, drafters)
+        spec = SyntheticSpec(
+            args.rows, args.seq_len, args.features, target_s=args.target_s, drafter_s=args.drafter_s
+        )
+        work = (
+            SyntheticProducer(spec, device)
+            if role is Role.TARGET
+            else SyntheticConsumer(spec, device, drafters)
+        )
         return work, spec.wire, args.steps or 20, 0
     from dflash_trainer.distributed.work_dflash import build_dflash
 
@@ -111,7 +123,9 @@ def _report(summaries: list[RankSummary], args: argparse.Namespace) -> None:
     if args.metrics_out:
         data = {
             "pipeline_tokens_per_s": pipeline_tokens_per_s(summaries),
-            "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries],
+            "ranks": [
+                {k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries
+            ],
         }
         args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
         args.metrics_out.write_text(json.dumps(data, indent=1))
@@ -131,9 +145,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run_role(args, rank, topo, role, me, device, backend, monitor)
     except BaseException as exc:
-        cause = log_failure(me, exc, device)
-        monitor.publish_failure(cause.splitlines()[0])
-        raise
+        handle_failure(me, exc, device, monitor)
+        raise  # to torchrun's @record: the error file it reports as the root cause
     finally:
         monitor.done()
 
@@ -144,7 +157,15 @@ def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.startup_timeout_s))
     pipe = dist.new_group(timeout=running, backend=backend)
     drafters = dist.new_group(topo.drafter_ranks, timeout=running, backend=backend)
-    log.info("role %s %d of %d:%d; loading", role.value, topo.index(rank), topo.num_targets, topo.num_drafters)
+    log.info(
+        "pid %d, local rank %s: %s %d of %d:%d; loading",
+        os.getpid(),
+        os.environ.get("LOCAL_RANK", "?"),
+        role.value,
+        topo.index(rank),
+        topo.num_targets,
+        topo.num_drafters,
+    )
     work, wire, steps, start = _build(args, role, device, drafters, topo)
     wires: list[Any] = [None] * topo.world_size
     dist.all_gather_object(wires, (str(me), dataclasses.astuple(wire)), group=control)

@@ -37,7 +37,9 @@ def _worker(local_rank: int, argv: list[str], world: int, port: int, env: dict[s
         raise SystemExit(code)
 
 
-def spawn_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None = None, preload: Sequence[str] = ()) -> None:
+def spawn_local(
+    argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None = None, preload: Sequence[str] = ()
+) -> None:
     """Runs `launch.main(argv)` on ranks 0..nprocs-1; raises if any rank fails (the others are terminated)."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     mp.start_processes(

@@ -1,8 +1,9 @@
-"""Per-rank time accounting: what each rank spent its time on, for the periodic log, the summary and the timeline.
+"""Per-rank time accounting, for the periodic log line, the summary table and the timeline.
 
-States: busy (model compute), data (reading and collating rows), wait_send (a target blocked on back-pressure),
-wait_recv (a drafter blocked on its next item). Whatever is left of the wall time is idle (startup, logging,
-checkpoints). Intervals are kept in a bounded ring (the last `keep`) for the timeline; totals are exact.
+States: busy (model compute), data (reading and collating rows), wait_send (a target blocked on
+back-pressure), wait_recv (a drafter blocked on its next item). Whatever is left of the wall time is idle
+(startup, logging, checkpoints). Intervals are kept in a bounded ring (the last `keep`) for the timeline;
+totals are exact.
 """
 
 from __future__ import annotations
@@ -113,7 +114,20 @@ def pipeline_tokens_per_s(summaries: list[RankSummary]) -> float:
 
 
 def summary_table(summaries: list[RankSummary]) -> str:
-    head = ("rank", "role", "device", "host", "items", "tok/s", "busy", "data", "w_send", "w_recv", "idle", "infl")
+    head = (
+        "rank",
+        "role",
+        "device",
+        "host",
+        "items",
+        "tok/s",
+        "busy",
+        "data",
+        "w_send",
+        "w_recv",
+        "idle",
+        "infl",
+    )
     rows = [
         (
             str(s.rank),

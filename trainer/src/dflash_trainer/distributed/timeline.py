@@ -9,7 +9,9 @@ from dflash_trainer.distributed.metrics import RankSummary
 COLOURS = {"busy": "#2e7d32", "data": "#81c784", "wait_send": "#ef6c00", "wait_recv": "#c62828"}
 
 
-def plot_timeline(summaries: list[RankSummary], path: str | Path, *, title: str = "pipeline timeline") -> Path:
+def plot_timeline(
+    summaries: list[RankSummary], path: str | Path, *, title: str = "pipeline timeline"
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a training host

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     TARGET = "target"
     DRAFTER = "drafter"
 
@@ -55,7 +55,9 @@ def resolve_topology(world_size: int, targets: Count, drafters: Count) -> Topolo
     reference pair a target forward and a drafter step cost about the same; `dflash-train plan` measures it).
     """
     if world_size < 2:
-        raise ValueError(f"the pipeline needs at least 2 ranks (1 target + 1 drafter), got world size {world_size}")
+        raise ValueError(
+            f"the pipeline needs at least 2 ranks (1 target + 1 drafter), got world size {world_size}"
+        )
     if targets == "auto" and drafters == "auto":
         n = (world_size + 1) // 2
         m = world_size - n

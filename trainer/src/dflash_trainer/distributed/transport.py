@@ -2,7 +2,7 @@
 
 Every message has the same shapes (rows padded to optim.batch, tokens to data.seq_len) so a drafter can post
 its receives before the data exists; a small header says which item it is and how much of it is real. Two
-tensors per item: `meta` (int64: header, token ids, loss mask) and `context` (the features, in the wire dtype).
+tensors per item: `meta` (int64: header, token ids, loss mask) and `context` (features, in the wire dtype).
 Both sides hold at most `depth` items in flight per rank: a target waits for its oldest send to land before
 issuing another, a drafter posts receives for its next `depth` steps only. Padding costs bytes, not compute:
 for the reference (3072 x 5 x 5120 bf16 = 157 MB per sequence) it is milliseconds of a link against a
