@@ -34,7 +34,7 @@ STARTED=$SECONDS
 say() { echo "image: $*"; }
 die() { echo "image: $*" >&2; exit 1; }
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { awk 'NR > 1 && /^#/ { if (!/shellcheck/) { sub(/^# ?/, ""); print }; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 
 # --- names ---------------------------------------------------------------------------------------------------
 
@@ -48,7 +48,7 @@ commit() { git -C "$REPO" rev-parse --short=7 HEAD 2>/dev/null || echo unknown; 
 # The inputs that end up in the image; a change not committed yet marks the version (".dirty").
 dirty() {
   [ -n "$(git -C "$REPO" status --porcelain -- image trainer/pyproject.toml trainer/requirements.lock \
-          trainer/src roles 2>/dev/null)" ]
+          trainer/src ':(glob)roles/*/files/**' 2>/dev/null)" ]
 }
 
 image_version() { local v; v="$(trainer_version)-g$(commit)"; if dirty; then v="$v.dirty"; fi; echo "$v"; }
@@ -310,5 +310,5 @@ case ${1:-} in
   --print) VARIANT=${2:-${VARIANT:-cpu}}; print_names "$VARIANT" ;;
   --refresh-pins) refresh_pins ;;
   ""|cpu|cuda) VARIANT=${1:-${VARIANT:-cpu}}; build ;;
-  *) usage 2 >&2 ;;
+  *) echo "image: unknown argument '$1' (a variant is cpu or cuda)" >&2; usage 2 >&2 ;;
 esac

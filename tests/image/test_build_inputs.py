@@ -1,0 +1,85 @@
+"""image/build.sh on bad input: it stops with the cause and leaves no archive, no .partial and no temporary
+directory behind. Each run uses its own output and cache directories, so a real build is never disturbed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lab.settings import REPO
+
+BUILD = REPO / "image" / "build.sh"
+WARM_APT = Path("/var/cache/dflash-image/apt")
+
+
+def build(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    base = {"IMAGE_OUT_DIR": str(out), "IMAGE_CACHE": str(tmp_path / "cache")}
+    return subprocess.run(
+        [str(BUILD), *args],
+        text=True,
+        capture_output=True,
+        timeout=1200,
+        check=False,
+        env={**os.environ, **base, **env},
+    )
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    left = sorted(p.name for p in out.iterdir() if not p.name.endswith(".log")) if out.exists() else []
+    assert left == [], f"left behind in {out}: {left}"
+
+
+def test_no_room_on_disk_stops_before_writing(tmp_path: Path) -> None:
+    proc = build(tmp_path, "cpu", IMAGE_MIN_FREE_GB="1000000")
+    assert proc.returncode != 0
+    assert "not enough free space for a cpu build" in proc.stderr
+    assert "1000000 GiB needed" in proc.stderr
+    assert_nothing_left(tmp_path)
+
+
+def test_unknown_variant_is_refused(tmp_path: Path) -> None:
+    proc = build(tmp_path, "rocm")
+    assert proc.returncode != 0
+    assert "rocm" in proc.stderr
+
+
+def test_print_names_predictable_archive_and_volid(tmp_path: Path) -> None:
+    proc = build(tmp_path, "--print", "cuda", IMAGE_STORAGE="local")
+    assert proc.returncode == 0, proc.stderr
+    info = dict(line.split("=", 1) for line in proc.stdout.splitlines())
+    assert info["name"].startswith("debian-12-dflash-cuda_") and info["name"].endswith("_amd64.tar.zst")
+    assert info["volid"] == f"local:vztmpl/{info['name']}"
+    assert info["path"] == str(tmp_path / "out" / info["name"])
+
+
+def test_lock_that_does_not_resolve(tmp_path: Path) -> None:
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("safetensors==0.0.0.dev424242\n")
+    proc = build(tmp_path, "cpu", IMAGE_LOCK=str(lock))
+    assert proc.returncode != 0
+    assert "wheels" in proc.stderr and "FAILED" in proc.stderr
+    assert "the lock does not resolve for cpu" in proc.stderr
+    assert "safetensors==0.0.0.dev424242" in proc.stderr
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_missing_debian_package(tmp_path: Path) -> None:
+    packages = tmp_path / "packages.in"
+    packages.write_text((REPO / "image" / "packages.in").read_text() + "dflash-no-such-package\n")
+    cache = tmp_path / "cache"
+    if (WARM_APT / "archives").is_dir():  # a copy of the warm apt cache: seconds instead of minutes
+        shutil.copytree(WARM_APT, cache / "apt")
+    proc = build(
+        tmp_path, "cpu", IMAGE_PACKAGES_IN=str(packages), IMAGE_CACHE=str(cache), IMAGE_ZSTD_LEVEL="1"
+    )
+    assert proc.returncode != 0
+    assert "rootfs" in proc.stderr and "FAILED" in proc.stderr
+    assert "Unable to locate package dflash-no-such-package" in proc.stderr
+    assert_nothing_left(tmp_path)
