@@ -22,6 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 GPUS = [0, 1]
+# The msg of the first failed task in the default callback's YAML output, with its wrapped lines.
+FAILURE = re.compile(r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*(?:\n {6,}\S.*)*)")
 
 
 @dataclass
@@ -39,9 +41,11 @@ class Run:
         return self.recap.get("changed", -1)
 
     def error(self) -> str:
-        """The first failure message of the run."""
-        found = re.search(r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*)", self.out)
-        return found.group(1).strip("'\" ") if found else self.out[-2000:]
+        """The first failure message of the run, its wrapped lines joined."""
+        found = re.search(
+            r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*(?:\n {6,}\S.*)*)", self.out
+        )
+        return " ".join(found.group(1).split()).strip("'\" ") if found else self.out[-2000:]
 
 
 @pytest.fixture
