@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import configparser
 import contextlib
+import datetime
 import fcntl
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -31,6 +34,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 PROG = "dflash-s3-sync"
@@ -125,6 +131,86 @@ class Aws:
         return out + list(args)
 
     def read(self, uri: str) -> str:
+        """The object's text: through a signed stdlib GET (no awscli start-up, which costs seconds on a busy
+        machine), or through `aws s3 cp` when the credentials are not static keys or the GET fails oddly."""
+        try:
+            text = self.read_direct(uri)
+        except SyncError:
+            raise
+        except Exception:  # any other trouble: let awscli try, with its own error texts
+            text = None
+        return text if text is not None else self.read_with_awscli(uri)
+
+    def static_credentials(self) -> tuple[str, str, str | None] | None:
+        env = os.environ
+        if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            return env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], env.get("AWS_SESSION_TOKEN")
+        path = env.get("AWS_SHARED_CREDENTIALS_FILE", os.path.expanduser("~/.aws/credentials"))
+        parser = configparser.ConfigParser()
+        with contextlib.suppress(OSError, configparser.Error):
+            parser.read(path)
+        section = (
+            parser[env.get("AWS_PROFILE", "default")]
+            if parser.has_section(env.get("AWS_PROFILE", "default"))
+            else {}
+        )
+        if section.get("aws_access_key_id") and section.get("aws_secret_access_key"):
+            return (
+                section["aws_access_key_id"],
+                section["aws_secret_access_key"],
+                section.get("aws_session_token"),
+            )
+        return None
+
+    def read_direct(self, uri: str) -> str | None:
+        creds = self.static_credentials()
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        if creds is None or not self.region:
+            return None
+        path = "/" + urllib.parse.quote(key, safe="/-_.~")
+        if self.endpoint_url:
+            base = self.endpoint_url.rstrip("/")
+            path = f"/{bucket}{path}"
+        elif "." not in bucket:
+            base = f"https://{bucket}.s3.{self.region}.amazonaws.com"
+        else:
+            base = f"https://s3.{self.region}.amazonaws.com"
+            path = f"/{bucket}{path}"
+        host = urllib.parse.urlsplit(base).netloc
+        now = datetime.datetime.now(datetime.UTC)
+        amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        empty = hashlib.sha256(b"").hexdigest()
+        headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": amz_date}
+        if creds[2]:
+            headers["x-amz-security-token"] = creds[2]
+        signed = ";".join(sorted(headers))
+        canonical = "\n".join(
+            ["GET", path, "", *(f"{k}:{headers[k]}" for k in sorted(headers)), "", signed, empty]
+        )
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(
+            ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
+        k = ("AWS4" + creds[1]).encode()
+        for part in (day, self.region, "s3", "aws4_request"):
+            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["Authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={creds[0]}/{scope}, SignedHeaders={signed}, Signature={signature}"
+        )
+        del headers["host"]
+        request = urllib.request.Request(base + path, headers=headers, method="GET")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.read().decode()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise SyncError(
+                    f"{uri}: cannot read it: no such object (is the bucket seeded, the prefix right?)"
+                ) from None
+            return None
+
+    def read_with_awscli(self, uri: str) -> str:
         proc = subprocess.run(
             self.argv("s3", "cp", "--no-progress", uri, "-"),
             capture_output=True,
