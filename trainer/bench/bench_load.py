@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
         seconds, reference = best_of(args.repeat, st)
         note = " (on a CPU it memory-maps: nothing is copied)" if device.type == "cpu" else ""
-        print(
-            f"load_file       {nbytes / seconds / GB:7.2f} GB/s   safetensors load_file(device={device}){note}"
-        )
+        print(f"load_file       {nbytes / seconds / GB:7.2f} GB/s   safetensors load_file({device}){note}")
 
         with fast_load.Loader(device, **options) as loader:
 
