@@ -215,7 +215,7 @@ class DrafterConsumer:
         self,
         setup: Setup,
         device: torch.device,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,  # None: a lone drafter (plan, bench)
         index: int,
         num_drafters: int,
         total_steps: int,
@@ -237,7 +237,7 @@ class DrafterConsumer:
         self.spec = drafter_spec(cfg, head)
         seed_everything(cfg.data.seed)  # identical initial weights on every drafter rank
         self.drafter = prepare_drafter(DFlashDrafter(self.spec).to(device), cfg)
-        if dist.get_world_size(group) > 1:
+        if group is not None and dist.get_world_size(group) > 1:
             ddp = nn.parallel.DistributedDataParallel(
                 _DdpForward(self.drafter),
                 process_group=group,
