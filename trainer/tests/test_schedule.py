@@ -77,3 +77,13 @@ def test_topology_roles_and_auto() -> None:
         resolve_topology(4, 3, 3)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         resolve_topology(1, "auto", "auto")
+
+
+def test_plan_candidates_pick_the_balanced_split() -> None:
+    from dflash_trainer.distributed.plan import candidates, efficiency
+
+    # A target makes 3000 tokens/s, a drafter trains 2000: on 5 devices 2:3 gives 6000 = 2*3000 = 3*2000.
+    best = candidates(5, 3000.0, 2000.0)[0]
+    assert (best.targets, best.drafters, best.tokens_per_s, best.efficiency) == (2, 3, 6000.0, 1.0)
+    assert efficiency(4, 1, 3000.0, 2000.0) == pytest.approx(2000 / 12000)
+    assert [c.targets + c.drafters for c in candidates(8, 1.0, 1.0)] == [8] * 7
