@@ -89,3 +89,29 @@ def test_source_that_does_not_build_leaves_nothing(lab_host, tmp_path, version):
     assert f"NVIDIA {version} did not build for kernel 6.1.0-50-amd64" in out
     assert "boot configuration untouched" in out
     assert "deliberately broken" in out or "make-" in out
+
+
+# Stand-ins that make lab-host look like a Proxmox host for one play; the boot tool only records its calls.
+FAKE_PROXMOX = """
+cat > /usr/sbin/proxmox-boot-tool <<'X'
+#!/bin/sh
+echo "$*" >> /run/fake-proxmox-boot-tool.log
+X
+printf '#!/bin/sh\\necho pve-manager/9.0.0\\n' > /usr/bin/pveversion
+chmod 0755 /usr/sbin/proxmox-boot-tool /usr/bin/pveversion
+: > /boot/vmlinuz-6.1.0-47-amd64
+rm -f /run/fake-proxmox-boot-tool.log
+"""
+REMOVE_FAKE = "rm -f /usr/sbin/proxmox-boot-tool /usr/bin/pveversion /boot/vmlinuz-6.1.0-47-amd64"
+
+
+def test_trial_boot_refused_without_the_module(lab_host):
+    """A kernel whose NVIDIA module was never built is not booted: no pin, no reboot."""
+    attach("sh", "-c", FAKE_PROXMOX)
+    try:
+        out = run_refused("-e", "host_kernel_version=6.1.0-47-amd64", play="tests/host/trial_boot.yml")
+        calls = attach("sh", "-c", "cat /run/fake-proxmox-boot-tool.log 2>/dev/null").stdout
+    finally:
+        attach("sh", "-c", REMOVE_FAKE + " /run/fake-proxmox-boot-tool.log")
+    assert "refusing to boot 6.1.0-47-amd64: module(s) nvidia, nvidia-uvm not built for it" in out
+    assert calls == "", f"proxmox-boot-tool was called: {calls}"
