@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": check_flex_against_dense(device) if args.check and device.type == "cuda" else None,
         "rows": [],
     }
-    print(f"matmul rate: {rates['matmul'] / 1e12:.1f} TFLOP/s; check: {result['check']}", flush=True)
+    print(f"matmul rate: {rates['matmul'] / 1e12:.3g} TFLOP/s; check: {result['check']}", flush=True)
     for hidden, layers, variant in variants(args, device):
         shape = shape_of(hidden, layers, args)
         try:
