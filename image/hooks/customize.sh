@@ -9,7 +9,7 @@
 set -euo pipefail
 
 ROOT=${1:?usage: customize.sh ROOTDIR}
-: "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
+: "${IMAGE_TRAINER_VERSION:?}" "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
 STAGE=/tmp/dflash-build  # inside the chroot; mmdebstrap empties /tmp at the end
 VENV=/opt/dflash/venv
 
@@ -48,8 +48,9 @@ install_venv() {
   in_chroot "$VENV/bin/python" -m pip install -q --no-index --find-links "$STAGE/wheels" \
     --requirement "$STAGE/requirements.lock" --constraint "$STAGE/constraints.txt" \
     || die "pip could not install the lock from the wheelhouse"
-  in_chroot "$VENV/bin/python" -m pip install -q --no-index --no-deps "$STAGE/$(basename "$IMAGE_TRAINER_WHEEL_PATH")" \
-    || die "pip could not install the trainer wheel"
+  # By name from a find-links directory, not by path: pip freeze then says dflash-trainer==VERSION.
+  in_chroot "$VENV/bin/python" -m pip install -q --no-index --no-deps --find-links "$STAGE" \
+    "dflash-trainer==$IMAGE_TRAINER_VERSION" || die "pip could not install the trainer wheel"
   in_chroot "$VENV/bin/python" -m pip check >&2 || die "the venv's dependencies are inconsistent (pip check)"
   unmount_wheels
   trap - EXIT
@@ -83,8 +84,14 @@ make_reproducible() {
   echo localhost > "$ROOT/etc/hostname"
 }
 
-check_pins
-install_venv
-install_units
-write_manifest
-make_reproducible
+step() {  # step NAME: one line per step with its duration, in the build log
+  local t0=$SECONDS
+  "$1"
+  echo "customize: $1 $((SECONDS - t0))s" >&2
+}
+
+step check_pins
+step install_venv
+step install_units
+step write_manifest
+step make_reproducible
