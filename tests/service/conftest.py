@@ -1,4 +1,4 @@
-"""The service scenarios run against the lab's CT 200 stand-in with its real systemd (tests/service/lab.py)."""
+"""The service scenarios run against the lab's CT 200 and its real systemd (tests/service/lab.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def ct():
 @pytest.fixture
 def fresh(ct):
     """dflash-train stopped, no checkpoints, intact data, the role's own configuration."""
-    ct.sh("systemctl stop dflash-train; systemctl reset-failed dflash-train; "
-          "rm -rf /var/lib/dflash-svc-test/train/checkpoints /var/lib/dflash-svc-test/train/tensorboard", check=False)
+    ct.sh(
+        "systemctl stop dflash-train; systemctl reset-failed dflash-train; "
+        "rm -rf /var/lib/dflash-svc-test/train/checkpoints /var/lib/dflash-svc-test/train/tensorboard",
+        check=False,
+    )
     ct.stage_data()
     return ct

@@ -2,7 +2,7 @@
 
 Until layer L3 (the trainer venv) and L4 (model, shards) are in every lab, the tests stage their own copies,
 so that removing a model file or truncating a shard never touches another layer's data:
-- /opt/dflash-svc-test/venv: a hard-linked copy of the repository's .venv-trainer pointed at Debian's python3.11
+- /opt/dflash-svc-test/venv: a hard-linked copy of the repository's .venv-trainer on Debian's python3.11
   (same ABI), with /opt/dflash-svc-test/src (trainer/src, copied each session) on its path;
 - /var/lib/dflash-svc-test/{model,shards}: the tiny target and synthetic shards with their manifests.
 Then ansible/l5_service.yml converges roles/trainer_service with tests/service/lab_vars.yml.
@@ -36,7 +36,9 @@ def sh(cmd: str, *, check: bool = True, timeout: float = 120) -> subprocess.Comp
         check=False,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"in {CT}: `{cmd}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+        raise AssertionError(
+            f"in {CT}: `{cmd}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+        )
     return proc
 
 
@@ -51,7 +53,9 @@ def stage_venv() -> None:
         (venv / "bin" / "python3").symlink_to("/usr/bin/python3.11")
         (venv / "bin" / "python").symlink_to("python3")
         (venv / "pyvenv.cfg").unlink()
-        (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.11.2\n")
+        (venv / "pyvenv.cfg").write_text(
+            "home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.11.2\n"
+        )
         pth = venv / "lib/python3.11/site-packages/__editable__.dflash_trainer-0.1.0.pth"
         pth.unlink()
         pth.write_text(f"{BASE}/src\n")
@@ -59,8 +63,17 @@ def stage_venv() -> None:
     src = ROOTFS / BASE.lstrip("/") / "src"
     src.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        ["rsync", "-a", "--delete", "--exclude", "__pycache__", "--exclude", "*.egg-info",
-         f"{REPO}/trainer/src/", f"{src}/"],
+        [
+            "rsync",
+            "-a",
+            "--delete",
+            "--exclude",
+            "__pycache__",
+            "--exclude",
+            "*.egg-info",
+            f"{REPO}/trainer/src/",
+            f"{src}/",
+        ],
         check=True,
     )
 
@@ -96,11 +109,27 @@ def stage_data() -> None:
 
 
 def converge(*extra: str) -> None:
-    env = os.environ | {"PATH": f"{OPS}:{os.environ['PATH']}", "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg")}
+    env = os.environ | {
+        "PATH": f"{OPS}:{os.environ['PATH']}",
+        "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg"),
+    }
     proc = subprocess.run(
-        [str(OPS / "ansible-playbook"), "-i", str(REPO / "inventory/lab"), str(REPO / "ansible/l5_service.yml"),
-         "-l", CT, "-e", f"@{REPO / 'tests/service/lab_vars.yml'}", *extra],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        [
+            str(OPS / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventory/lab"),
+            str(REPO / "ansible/l5_service.yml"),
+            "-l",
+            CT,
+            "-e",
+            f"@{REPO / 'tests/service/lab_vars.yml'}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
     )
     if proc.returncode != 0:
         raise AssertionError(f"converge failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
@@ -109,8 +138,11 @@ def converge(*extra: str) -> None:
 def prepare() -> None:
     stage_venv()
     stage_data()
-    sh("systemctl stop dflash-train dflash-smoke 2>/dev/null; systemctl reset-failed dflash-train 2>/dev/null; "
-       "rm -rf /var/lib/dflash-svc-test/train", check=False)
+    sh(
+        "systemctl stop dflash-train dflash-smoke 2>/dev/null; "
+        "systemctl reset-failed dflash-train 2>/dev/null; rm -rf /var/lib/dflash-svc-test/train",
+        check=False,
+    )
     converge()
 
 
@@ -121,7 +153,7 @@ def show(prop: str, unit: str = "dflash-train") -> str:
     return sh(f"systemctl show -p {prop} --value {unit}").stdout.strip()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):  # noqa: ANN001
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:

@@ -1,4 +1,5 @@
-"""dflash-train.service under the lab container's real systemd: READY and STATUS, a killed rank, a stop, a hang,
+"""dflash-train.service under the lab container's real systemd: READY and STATUS, a killed rank, a stop,
+a hang,
 a broken machine caught by preflight, and a tracker that fails mid-run."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_kill_minus_9_of_a_rank_restarts_and_resumes(fresh):
     ct.wait_for(lambda: "resumed from" in ct.journal(cursor), START_S, "the resume")
     log = ct.journal(cursor)
     assert "rank 0 killed by SIGKILL" in log
-    resumed = [line for line in log.splitlines() if "resumed from" in line][0]
+    resumed = next(line for line in log.splitlines() if "resumed from" in line)
     step = int(resumed.rsplit("step ", 1)[1].rstrip(")"))
     assert step >= before > 0, (before, resumed)  # the newest checkpoint at the kill, not zero
     print(f"\nkilled at >= step {before}; {resumed}")
@@ -78,17 +79,27 @@ def test_a_hung_rank_is_ended_by_the_watchdog_and_restarted(fresh):
     log = ct.journal(cursor)
     assert "Watchdog timeout" in log, log
     assert took <= watchdog_s + 10, f"restarted {took:.1f} s after the hang, WatchdogSec={watchdog_s}"
-    assert ct.sh(f"test -d /proc/{rank}", check=False).returncode != 0, "the stopped rank outlived the launcher"
+    assert ct.sh(f"test -d /proc/{rank}", check=False).returncode != 0, (
+        "the stopped rank outlived the launcher"
+    )
     print(f"\nhang -> restart in {took:.1f} s (WatchdogSec={watchdog_s})")
 
 
 @pytest.mark.parametrize(
     ("damage", "expect"),
     [
-        ("rm /var/lib/dflash-svc-test/model/model.safetensors", ["FAIL model:", "model.safetensors: missing"]),
-        ("truncate -s 1000 /var/lib/dflash-svc-test/shards/shard-00001.arrow", ["FAIL shards:", "shard-00001.arrow"]),
-        ("sed -i 's|^tensorboard = .*|wandb_project = \"team/drafters\"|' /etc/dflash/train.toml",
-         ["FAIL trackers:", "trackers.wandb_project"]),
+        (
+            "rm /var/lib/dflash-svc-test/model/model.safetensors",
+            ["FAIL model:", "model.safetensors: missing"],
+        ),
+        (
+            "truncate -s 1000 /var/lib/dflash-svc-test/shards/shard-00001.arrow",
+            ["FAIL shards:", "shard-00001.arrow"],
+        ),
+        (
+            "sed -i 's|^tensorboard = .*|wandb_project = \"team/drafters\"|' /etc/dflash/train.toml",
+            ["FAIL trackers:", "trackers.wandb_project"],
+        ),
     ],
     ids=["model-file-removed", "shard-truncated", "wrong-tracker-setting"],
 )
@@ -98,7 +109,8 @@ def test_preflight_names_each_failure_before_any_model_loads(fresh, damage, expe
         ct.sh(damage)
         t0 = time.monotonic()
         proc = ct.sh(
-            "/opt/dflash-svc-test/venv/bin/python -m dflash_trainer.service preflight --json /etc/dflash/train.toml",
+            "/opt/dflash-svc-test/venv/bin/python -m dflash_trainer.service preflight --json "
+            "/etc/dflash/train.toml",
             check=False,
         )
         took = time.monotonic() - t0
@@ -121,8 +133,8 @@ def test_preflight_names_each_failure_before_any_model_loads(fresh, damage, expe
 
 
 def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(fresh):
-    """The lab has no tracker server; the tensorboard log directory on a 64 KiB tmpfs fills up mid-run, which is
-    what a tracker whose backend went away looks like to the trainer: its writes start failing."""
+    """The lab has no tracker server; the tensorboard log directory on a 64 KiB tmpfs fills up mid-run,
+    which is what a tracker whose backend went away looks like to the trainer: its writes start failing."""
     ct = fresh
     tb = "/var/lib/dflash-svc-test/train/tensorboard"
     ct.sh(f"mkdir -p {tb} && mount -t tmpfs -o size=64k tmpfs {tb}")
