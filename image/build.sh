@@ -22,6 +22,7 @@ PACKAGES_IN=${IMAGE_PACKAGES_IN:-$REPO/image/packages.in}
 PINS=${IMAGE_PINS:-$REPO/image/packages.txt}
 CONSTRAINTS=$REPO/image/constraints.txt
 STORAGE=${IMAGE_STORAGE:-local}
+PY=/usr/bin/python3   # Debian's, the image's Python: not whatever python3 comes first on PATH
 ZSTD_LEVEL=${IMAGE_ZSTD_LEVEL:-3}  # -9 took 9 of 17 minutes on a loaded machine for 8% less
 BUDGET_S=600          # a cpu build with warm caches on 2 cores
 BUDGET_MB=2048        # the cpu archive
@@ -39,11 +40,14 @@ usage() { awk 'NR > 1 && /^#/ { if (!/shellcheck/) { sub(/^# ?/, ""); print }; n
 # --- names ---------------------------------------------------------------------------------------------------
 
 trainer_version() {
-  python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
+  "$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
     "$REPO/trainer/pyproject.toml"
 }
 
-commit() { git -C "$REPO" rev-parse --short=7 HEAD 2>/dev/null || echo unknown; }
+# Read once: others may commit while a build runs, and the name, the manifest and the epoch must agree.
+COMMIT=$(git -C "$REPO" rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
+SOURCE_DATE_EPOCH=$(git -C "$REPO" log -1 --format=%ct "$COMMIT" 2>/dev/null || date +%s)
+commit() { echo "$COMMIT"; }
 
 # The inputs that end up in the image; a change not committed yet marks the version (".dirty").
 dirty() {
@@ -130,14 +134,14 @@ wheels() {  # the lock's wheels for VARIANT in the warm wheelhouse; offline when
   local wh=$CACHE/wheels/$VARIANT
   mkdir -p "$wh"
   local args=(download --quiet --only-binary=:all: --requirement "$LOCK" --constraint "$CONSTRAINTS" --dest "$wh")
-  if python3 -m pip "${args[@]}" --isolated --no-index --find-links "$wh" >/dev/null 2>&1; then
+  if "$PY" -m pip "${args[@]}" --isolated --no-index --find-links "$wh" >/dev/null 2>&1; then
     echo "wheelhouse $wh already holds the lock"
   elif [ "$VARIANT" = cpu ]; then
     # pip's configuration here offers the CPU build of torch (find-links): that is what the cpu variant takes.
-    python3 -m pip "${args[@]}" || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
+    "$PY" -m pip "${args[@]}" || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
   else
     # --isolated: no local find-links or constraints, so torch==X is PyPI's CUDA build with its NVIDIA wheels.
-    python3 -m pip "${args[@]}" --isolated || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
+    "$PY" -m pip "${args[@]}" --isolated || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
   fi
   if [ "$VARIANT" = cpu ] && ! compgen -G "$wh/torch-*+cpu-*.whl" >/dev/null; then
     die "no CPU build of torch in $wh: the cpu variant needs pip's find-links to offer one (pip config list)"
@@ -151,7 +155,7 @@ trainer_wheel() {  # from a copy of trainer/, so the build writes nothing into t
   mkdir -p "$TMP/trainer-src" "$TMP/dist"
   cp "$REPO/trainer/pyproject.toml" "$TMP/trainer-src/"
   tar -C "$REPO/trainer" --exclude='*.egg-info' --exclude=__pycache__ -cf - src | tar -C "$TMP/trainer-src" -xf -
-  python3 -m pip wheel --quiet --no-deps --wheel-dir "$TMP/dist" "$TMP/trainer-src" \
+  "$PY" -m pip wheel --quiet --no-deps --wheel-dir "$TMP/dist" "$TMP/trainer-src" \
     || die "could not build the trainer wheel from trainer/"
   compgen -G "$TMP/dist/dflash_trainer-*.whl" >/dev/null || die "pip wheel wrote no dflash_trainer wheel"
 }
@@ -196,7 +200,7 @@ publish() {  # the .partial becomes the archive; a JSON beside it says what and 
   local name=$1 archive=$OUT_DIR/$1 seconds=$2
   mv -f "$PARTIAL" "$archive"
   PARTIAL=""
-  python3 - "$archive" "$TMP/image.json" "$(cat "$TMP/unpacked-bytes")" "$seconds" "$STORAGE:vztmpl/$name" \
+  "$PY" - "$archive" "$TMP/image.json" "$(cat "$TMP/unpacked-bytes")" "$seconds" "$STORAGE:vztmpl/$name" \
     "$OUT_DIR/$VARIANT.json" <<'EOF'
 import hashlib, json, sys
 from pathlib import Path
@@ -238,7 +242,7 @@ $([ "$seconds" -le $BUDGET_S ] && echo ok || echo "OVER (a cold apt cache or whe
 preflight() {
   [ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap --mode=root, mounts in the chroot)"
   local tool
-  for tool in mmdebstrap zstd python3 git flock; do
+  for tool in mmdebstrap zstd "$PY" git flock; do
     command -v "$tool" >/dev/null || die "$tool is missing: run 'make bootstrap' (or apt-get install $tool)"
   done
   [ -r "$LOCK" ] || die "no lock at $LOCK"
@@ -260,7 +264,6 @@ build() {
   check_space "$min_free"
   NAME=$(image_name "$VARIANT")
   VERSION=$(image_version)
-  SOURCE_DATE_EPOCH=$(git -C "$REPO" log -1 --format=%ct 2>/dev/null || date +%s)
   export SOURCE_DATE_EPOCH
   LOG=$OUT_DIR/$VARIANT.log
   : >"$LOG"
