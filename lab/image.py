@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.containers import LXC_ROOT, attach, memlock_limit, run, state
+# `from lab import containers`, used at call time: lab/containers.py may import this module in turn.
+from lab import containers
 from lab.errors import LabError
 from lab.settings import REPO
 
@@ -60,7 +61,7 @@ def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
     partial = rootfs.with_name(rootfs.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    run(
+    containers.run(
         [
             "tar",
             "--zstd",
@@ -90,11 +91,11 @@ def throwaway_config(name: str) -> str:
                 "# Written by lab/image.py for a throwaway container booted from the CT image.",
                 "lxc.include = /usr/share/lxc/config/common.conf",
                 f"lxc.uts.name = {name}",
-                f"lxc.rootfs.path = dir:{LXC_ROOT / name / 'rootfs'}",
+                f"lxc.rootfs.path = dir:{containers.LXC_ROOT / name / 'rootfs'}",
                 "lxc.net.0.type = none",
                 "lxc.apparmor.profile = unconfined",
                 "lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed",
-                f"lxc.prlimit.memlock = {memlock_limit()}",
+                f"lxc.prlimit.memlock = {containers.memlock_limit()}",
             ]
         )
         + "\n"
@@ -106,11 +107,11 @@ def boot_from_image(name: str, archive: Path, log: Path) -> None:
     if name.startswith("lab-"):
         raise LabError(f"{name}: names starting with lab- belong to `make lab`; pick another")
     destroy(name)
-    directory = LXC_ROOT / name
+    directory = containers.LXC_ROOT / name
     rootfs_from_image(archive, directory / "rootfs", name)
     (directory / "config").write_text(throwaway_config(name))
     log.parent.mkdir(parents=True, exist_ok=True)
-    run(["lxc-start", "-n", name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)
+    containers.run(["lxc-start", "-n", name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)
     wait_booted(name)
 
 
@@ -119,12 +120,12 @@ def wait_booted(name: str, timeout_s: float = BOOT_TIMEOUT_S) -> None:
     status = ""
     time.sleep(1)  # the first attach right after lxc-start finds no bus
     while time.monotonic() < deadline:
-        status = attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
+        status = containers.attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
         if status in ("running", "degraded", "maintenance"):
             break
         time.sleep(0.5)
     if status != "running":
-        failed = attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
+        failed = containers.attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
         raise LabError(
             f"container {name}: systemd is {status or 'not answering'} after {timeout_s:.0f} s; "
             f"failed units: {failed or 'none'}"
@@ -135,8 +136,8 @@ def destroy(name: str) -> None:
     """Stops and removes container NAME (only ever one this module made: lab- names are refused)."""
     if name.startswith("lab-"):
         raise LabError(f"{name}: refusing to destroy a container of `make lab`")
-    if state(name) == "RUNNING":
-        run(["lxc-stop", "-n", name, "-k"], check=False, timeout=60)
-    directory = LXC_ROOT / name
+    if containers.state(name) == "RUNNING":
+        containers.run(["lxc-stop", "-n", name, "-k"], check=False, timeout=60)
+    directory = containers.LXC_ROOT / name
     if directory.exists():
-        run(["rm", "-rf", "--one-file-system", str(directory)], timeout=300)
+        containers.run(["rm", "-rf", "--one-file-system", str(directory)], timeout=300)
