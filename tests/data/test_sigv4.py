@@ -66,9 +66,6 @@ def test_signature_equals_botocores(monkeypatch: pytest.MonkeyPatch, endpoint: s
     expected = AWSRequest(
         method="GET", url=request.full_url, headers={"x-amz-content-sha256": hashlib.sha256(b"").hexdigest()}
     )
-    with mock.patch("botocore.auth.datetime") as fake:
-        fake.datetime.now.return_value = NOW.replace(tzinfo=None)
-        fake.datetime.utcnow.return_value = NOW.replace(tzinfo=None)
-        fake.timezone = datetime.timezone
+    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW):
         S3SigV4Auth(Credentials(KEY_ID, SECRET), "s3", "eu-central-1").add_auth(expected)
     assert request.get_header("Authorization") == expected.headers["Authorization"]

@@ -1,0 +1,132 @@
+"""dflash-stage-model and its unit in the container: restaged after a "reboot" (an emptied /dev/shm), a no-op
+when valid, a truncated or corrupt copy restaged, too small a /dev/shm refused before copying, wrong or
+malformed manifests one clear error with nothing left half-written."""
+
+from __future__ import annotations
+
+import json
+
+from tests.data import s3data
+from tests.data.conftest import SHM_WORK, STAGE, ct, ct_ok
+
+UNIT = "dflash-stage-model.service"
+
+
+def unit_argv() -> list[str]:
+    value = ct_ok(f"systemctl show {UNIT} -p ExecStart --value")
+    return value.split("argv[]=")[1].split(" ;")[0].split()
+
+
+def dest() -> str:
+    argv = unit_argv()
+    return argv[argv.index("--dest") + 1]
+
+
+def journal_since(cursor: str) -> str:
+    return ct_ok(f"journalctl -u {UNIT} -o cat --no-pager --after-cursor='{cursor}'")
+
+
+def cursor() -> str:
+    return ct_ok("journalctl -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p'").strip()
+
+
+def test_reboot_restages_the_model(converged) -> None:
+    """A reboot empties /dev/shm; the unit (WantedBy=multi-user.target) stages the model again."""
+    staged = dest()
+    ct_ok(f"rm -rf {staged} {staged}.staging-*")
+    mark = cursor()
+    ct_ok(f"systemctl restart {UNIT}")
+    assert "staged 2 files" in journal_since(mark)
+    assert ct(shell_join([*unit_argv(), "--check", "--verify", "full"])).returncode == 0
+
+
+def test_valid_copy_is_left_alone(converged) -> None:
+    inode = ct_ok(f"stat -c %i {dest()}/model.safetensors")
+    mark = cursor()
+    ct_ok(f"systemctl restart {UNIT}")
+    assert "nothing to do" in journal_since(mark)
+    assert ct_ok(f"stat -c %i {dest()}/model.safetensors") == inode
+
+
+def test_truncated_staged_file_is_restaged(converged) -> None:
+    ct_ok(f"truncate -s 100 {dest()}/model.safetensors")
+    mark = cursor()
+    ct_ok(f"systemctl restart {UNIT}")
+    log = journal_since(mark)
+    assert "model.safetensors: size 100, the manifest says" in log and "staged 2 files" in log
+    assert ct(shell_join([*unit_argv(), "--check", "--verify", "full"])).returncode == 0
+
+
+def test_full_check_finds_a_corrupt_staged_copy(converged) -> None:
+    ct_ok(f"printf Z | dd of={dest()}/model.safetensors bs=1 seek=200 conv=notrunc status=none")
+    assert ct(shell_join([*unit_argv(), "--check"])).returncode == 0  # a size check cannot see it
+    proc = ct(shell_join([*unit_argv(), "--verify", "full"]))
+    assert proc.returncode == 0, proc.stderr
+    assert "sha256 differs from the manifest" in proc.stdout and "staged 2 files" in proc.stdout
+
+
+def test_too_small_dev_shm_is_refused_before_copying(work: str) -> None:
+    free = int(ct_ok("df -B1 --output=avail /dev/shm | tail -1"))
+    size = free + (64 << 20)
+    ct_ok(f"mkdir -p {work}/big && truncate -s {size} {work}/big/weights.bin")  # sparse: no disk used
+    manifest = {"version": 1, "files": [{"path": "weights.bin", "size": size, "sha256": "0" * 64}]}
+    ct_ok(f"echo '{json.dumps(manifest)}' > {work}/big/MANIFEST.json")
+    proc = ct(f"{STAGE} --source {work}/big --dest {SHM_WORK}/model")
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith("dflash-stage-model: error: /dev/shm is too small")
+    assert f"the model needs {size / 2**20:.1f} MiB ({size} bytes)" in line
+    assert "free of" in line and "nothing was copied" in line
+    assert ct(f"ls -d {SHM_WORK}/model* 2>/dev/null").stdout == ""
+
+
+def test_wrong_checksum_leaves_nothing_half_written(work: str) -> None:
+    files = s3data.model_files()
+    store = f"{work}/store"
+    ct_ok(f"mkdir -p {store}")
+    for name, data in files.items():
+        ct_ok(
+            f"python3 -c 'import sys; open(sys.argv[1], \"wb\").write(bytes.fromhex(sys.argv[2]))' "
+            f"{store}/{name} {data.hex()}"
+        )
+    manifest = s3data.manifest_of(s3data.SEED_DIR / "model")
+    manifest["files"][1]["sha256"] = "f" * 64
+    ct_ok(f"echo '{json.dumps(manifest)}' > {store}/MANIFEST.json")
+    proc = ct(f"{STAGE} --source {store} --dest {SHM_WORK}/model")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"dflash-stage-model: error: {store}/model.safetensors: sha256 differs from {store}/MANIFEST.json "
+        "(the store is corrupt or the manifest is wrong); nothing was staged"
+    )
+    assert ct(f"ls -d {SHM_WORK}/model* 2>/dev/null").stdout == ""
+
+
+def test_malformed_manifest_is_one_clear_error(work: str) -> None:
+    ct_ok(f"mkdir -p {work}/bad && echo '{{\"files\": [' > {work}/bad/MANIFEST.json")
+    proc = ct(f"{STAGE} --source {work}/bad --dest {SHM_WORK}/model")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"dflash-stage-model: error: {work}/bad/MANIFEST.json: not JSON")
+    ct_ok(
+        f'echo \'{{"version": 1, "files": [{{"path": "../x", "size": 1, "sha256": ""}}]}}\' '
+        f"> {work}/bad/MANIFEST.json"
+    )
+    proc = ct(f"{STAGE} --source {work}/bad --dest {SHM_WORK}/model")
+    assert "files[0].path '../x' is not a relative path inside the model" in proc.stderr
+
+
+def test_missing_store_file_is_named(work: str) -> None:
+    manifest = s3data.manifest_of(s3data.SEED_DIR / "model")
+    ct_ok(f"mkdir -p {work}/partial && echo '{json.dumps(manifest)}' > {work}/partial/MANIFEST.json")
+    proc = ct(f"{STAGE} --source {work}/partial --dest {SHM_WORK}/model")
+    assert proc.returncode == 1
+    assert f"model store {work}/partial does not match" in proc.stderr
+    assert f"{work}/partial/config.json: missing" in proc.stderr
+
+
+def shell_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def shell_join(argv: list[str]) -> str:
+    return " ".join(shell_quote(a) for a in argv)
