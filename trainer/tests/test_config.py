@@ -39,7 +39,8 @@ def write_config(tmp_path: Path, sections: dict[str, dict], target: dict | None 
     for name, table in sections.items():
         base.setdefault(name, {}).update(table)
     text = "".join(
-        f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items()) for name, table in base.items()
+        f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
+        for name, table in base.items()
     )
     path = tmp_path / "train.toml"
     path.write_text(text)
@@ -82,14 +83,23 @@ def test_defaults_resolve_against_the_target(tmp_path):
         ({"drafter": {"target_layer_ids": [5, 3]}}, "drafter.target_layer_ids: must be strictly increasing"),
         ({"drafter": {"mask_token_id": 248320}}, "drafter.mask_token_id: must be a token id in [0, 248320)"),
         ({"drafter": {"block_size": 12}}, "drafter.gamma: no reference gamma for block_size 12"),
-        ({"drafter": {"num_layers": 2, "layer_types": ["full_attention"]}}, "drafter.layer_types: needs one entry"),
+        (
+            {"drafter": {"num_layers": 2, "layer_types": ["full_attention"]}},
+            "drafter.layer_types: needs one entry",
+        ),
         (
             {"drafter": {"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}},
             "drafter.sliding_window: required",
         ),
         ({"drafter": {"sliding_window": 2048}}, "drafter.sliding_window: set, but no entry"),
-        ({"drafter": {"num_attention_heads": 32, "num_key_value_heads": 5}}, "drafter.num_key_value_heads: must"),
-        ({"drafter": {"num_key_value_heads": 5}}, "drafter.num_key_value_heads: must divide the 24 query heads"),
+        (
+            {"drafter": {"num_attention_heads": 32, "num_key_value_heads": 5}},
+            "drafter.num_key_value_heads: must",
+        ),
+        (
+            {"drafter": {"num_key_value_heads": 5}},
+            "drafter.num_key_value_heads: must divide the 24 query heads",
+        ),
         ({"data": {"seq_len": 16}}, "data.seq_len: must be >= 17"),
         ({"data": {"held_out": 0}}, "data.held_out: must be > 0 when train.eval_every is set"),
         ({"optim": {"warmup_ratio": 1.0}}, "optim.warmup_ratio: must be in [0, 1)"),

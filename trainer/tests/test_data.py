@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from dflash_trainer.data.batch import batches, collate
-from dflash_trainer.data.shards import DataError, Shard, ShardReader, list_shards, read_segments, split_held_out
+from dflash_trainer.data.shards import (
+    DataError,
+    Shard,
+    ShardReader,
+    list_shards,
+    read_segments,
+    split_held_out,
+)
 from dflash_trainer.data.synth import write_shard
 
 
@@ -59,7 +66,7 @@ def test_resume_continues_exactly(tmp_path):
         resumed.load_state_dict(reader.state_dict())
         assert head + first_tokens(itertools.islice(resumed, 50 - cut)) == straight
     other = ShardReader(train, seed=6, shuffle_window=3)
-    with pytest.raises(DataError, match="data.seed=6"):
+    with pytest.raises(DataError, match=r"data\.seed=6"):
         other.load_state_dict(reader.state_dict())
 
 
@@ -81,7 +88,9 @@ def test_bad_shards_name_the_file(tmp_path):
 def test_bool_loss_mask_and_feather_are_read(tmp_path):
     import pyarrow.feather as feather
 
-    table = pa.table({"input_ids": pa.array([[5, 6, 7]], pa.list_(pa.int32())), "loss_mask": [[False, True, True]]})
+    table = pa.table(
+        {"input_ids": pa.array([[5, 6, 7]], pa.list_(pa.int32())), "loss_mask": [[False, True, True]]}
+    )
     feather.write_feather(table, tmp_path / "a.feather")
     row = Shard(tmp_path / "a.feather").row(0)
     assert row.input_ids.tolist() == [5, 6, 7] and row.loss_mask.tolist() == [False, True, True]
@@ -92,7 +101,11 @@ def test_collate_truncates_and_pads(tmp_path):
     batch = collate(samples[1:4], seq_len=4)  # lengths 3, 4, 5 -> 3, 4, 4
     assert batch.input_ids.tolist() == [[1, 1, 1, 0], [2, 2, 2, 2], [3, 3, 3, 3]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
-    assert batch.loss_mask.tolist() == [[False, True, True, False], [False, True, True, True]] + [[False] + [True] * 3]
+    assert batch.loss_mask.tolist() == [
+        [False, True, True, False],
+        [False, True, True, True],
+        [False] + [True] * 3,
+    ]
     assert batch.input_ids.dtype == torch.long
     assert [b.input_ids.shape[0] for b in batches(samples, 3, 8)] == [3, 1]
 

@@ -76,8 +76,10 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(directory: Path, step: int, state: dict[str, Any], ema: dict[str, Any], *, keep_last: int) -> Path:
-    """Writes step `step`; returns its directory. Older checkpoints beyond the last `keep_last` are removed."""
+def save_checkpoint(
+    directory: Path, step: int, state: dict[str, Any], ema: dict[str, Any], *, keep_last: int
+) -> Path:
+    """Writes step `step` and returns its directory; removes all but the last `keep_last` checkpoints."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:08d}"

@@ -1,7 +1,7 @@
 """The training configuration: one TOML file, checked here before anything heavy loads.
 
-Every error is a ConfigError naming the dotted key (`drafter.block_size: must be >= 2, got 1`). Checks that need
-the target read only its config.json. Relative paths resolve against the directory of the TOML file.
+Every error is a ConfigError naming the dotted key (`drafter.block_size: must be >= 2, got 1`). Checks that
+need the target read only its config.json. Relative paths resolve against the directory of the TOML file.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     hidden_size: int | None = None  # must equal the target's; here so a mismatching recipe fails early
     intermediate_size: int | None = None  # None: the target's
-    # Attention shape; None: the target's. The reference drafter (32 x 128) differs from its target (24 x 256).
+    # Attention shape; None: the target's. The reference drafter (32 x 128) differs from its target (24 x 256)
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -84,6 +84,7 @@ class LoopConfig:
     log_every: int = 10
     gradient_checkpointing: bool = False
     compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: capture without codegen
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     loss_chunk: int = 2048  # block positions per chunk of the lm_head + cross-entropy
@@ -125,8 +126,8 @@ class TargetInfo:
 @dataclass
 class TrainConfig:
     model: ModelConfig
-    data: DataConfig
     drafter: DrafterConfig
+    data: DataConfig
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -231,7 +232,7 @@ def parse_config(table: dict[str, Any], *, base: Path) -> TrainConfig:
     for name in sections:
         if name in table:
             kwargs[name] = _build(hints[name], table[name], name, base)
-        elif name in ("model", "data", "drafter"):
+        elif name in ("model", "drafter", "data"):
             raise ConfigError(name, "required section missing")
     return TrainConfig(**kwargs)
 
@@ -252,7 +253,8 @@ def _validate_self(cfg: TrainConfig) -> None:
         raise ConfigError("drafter.gamma", f"must be > 0, got {d.gamma}")
     if d.layer_types is not None and len(d.layer_types) != d.num_layers:
         raise ConfigError(
-            "drafter.layer_types", f"needs one entry per draft layer ({d.num_layers}), got {len(d.layer_types)}"
+            "drafter.layer_types",
+            f"needs one entry per draft layer ({d.num_layers}), got {len(d.layer_types)}",
         )
     sliding = d.layer_types is not None and "sliding_attention" in d.layer_types
     if sliding and d.sliding_window is None:
@@ -275,7 +277,9 @@ def _validate_self(cfg: TrainConfig) -> None:
         if not d.target_layer_ids:
             raise ConfigError("drafter.target_layer_ids", "must not be empty")
         if any(b <= a for a, b in zip(d.target_layer_ids, d.target_layer_ids[1:], strict=False)):
-            raise ConfigError("drafter.target_layer_ids", f"must be strictly increasing, got {d.target_layer_ids}")
+            raise ConfigError(
+                "drafter.target_layer_ids", f"must be strictly increasing, got {d.target_layer_ids}"
+            )
         _at_least("drafter.target_layer_ids[0]", d.target_layer_ids[0], 0)
 
     _at_least("data.seq_len", data.seq_len, d.block_size + 1)
@@ -348,7 +352,8 @@ def _validate_against_target(cfg: TrainConfig, target: TargetInfo) -> None:
     d = cfg.drafter
     if d.hidden_size is not None and d.hidden_size != target.hidden_size:
         raise ConfigError(
-            "drafter.hidden_size", f"must equal the target's hidden size {target.hidden_size}, got {d.hidden_size}"
+            "drafter.hidden_size",
+            f"must equal the target's hidden size {target.hidden_size}, got {d.hidden_size}",
         )
     d.hidden_size = target.hidden_size
     if d.intermediate_size is None:
@@ -384,7 +389,7 @@ def _validate_against_target(cfg: TrainConfig, target: TargetInfo) -> None:
     if d.target_layer_ids[-1] >= target.num_layers:
         raise ConfigError(
             "drafter.target_layer_ids",
-            f"layer {d.target_layer_ids[-1]} does not exist: the target has layers 0..{target.num_layers - 1}",
+            f"layer {d.target_layer_ids[-1]} does not exist (target layers: 0..{target.num_layers - 1})",
         )
 
     if not 0 <= d.mask_token_id < target.vocab_size:
@@ -407,7 +412,7 @@ def _fill_defaults(cfg: TrainConfig) -> None:
 
 
 def validate(cfg: TrainConfig, *, target: TargetInfo | None) -> TrainConfig:
-    """Checks every value and resolves the defaults. With target=None, checks needing the target are skipped."""
+    """Checks every value and resolves the defaults; with target=None the checks needing it are skipped."""
     _validate_self(cfg)
     if target is not None:
         _validate_against_target(cfg, target)

@@ -24,7 +24,8 @@ class CpuEma:
         self.shadow = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in params.items()}
         pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
         self._staging = {
-            name: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for name, p in params.items()
+            name: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+            for name, p in params.items()
         }
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
         self._pending: Future | None = None
@@ -56,7 +57,12 @@ class CpuEma:
 
     def state_dict(self) -> dict:
         self.wait()
-        return {"decay": self.decay, "every": self.every, "num_updates": self.num_updates, "shadow": self.shadow}
+        return {
+            "decay": self.decay,
+            "every": self.every,
+            "num_updates": self.num_updates,
+            "shadow": self.shadow,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.wait()

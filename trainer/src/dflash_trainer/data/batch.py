@@ -17,7 +17,9 @@ class Batch:
     loss_mask: torch.Tensor  # Bool[B, T], False on padding
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.loss_mask)))
+        return Batch(
+            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.loss_mask))
+        )
 
 
 def collate(samples: Sequence[Sample], seq_len: int) -> Batch:

@@ -2,9 +2,9 @@
 
 A shard is an Arrow IPC file (also what feather v2 writes) with columns input_ids (list<int32>) and
 loss_mask (list<int8 or bool>), one row per sequence. Shards are taken in sorted name order; the first
-`held_out` rows of that order are kept for evaluation. Training rows are read shard by shard, the shard order
-shuffled per epoch and the rows of each shard shuffled inside windows, both from (seed, epoch), so the position
-(epoch, shard, row) alone says where a run is, and resume continues exactly.
+`held_out` rows of that order are kept for evaluation. Training rows are read shard by shard, the shard
+order shuffled per epoch and the rows of each shard shuffled inside windows, both from (seed, epoch), so
+the position (epoch, shard, row) alone says where a run is, and resume continues exactly.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def split_held_out(paths: Sequence[Path], held_out: int) -> tuple[list[Segment],
 
 
 class ShardReader:
-    """Endless iterator over training rows, epoch after epoch; `state_dict` is the position of the next row."""
+    """Endless iterator over training rows, epoch after epoch; `state_dict` is where the next row is."""
 
     def __init__(self, segments: Sequence[Segment], *, seed: int, shuffle_window: int) -> None:
         self.segments = list(segments)
@@ -117,7 +117,9 @@ class ShardReader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["seed"] != self.seed:
-            raise DataError(f"resuming with data.seed={self.seed}, the checkpoint was made with {state['seed']}")
+            raise DataError(
+                f"resuming with data.seed={self.seed}, the checkpoint was made with {state['seed']}"
+            )
         self.epoch, self.shard, self.row = state["epoch"], state["shard"], state["row"]
 
     def _shard_order(self, epoch: int) -> np.ndarray:

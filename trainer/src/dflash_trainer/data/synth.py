@@ -22,7 +22,9 @@ def write_shard(path: Path, rows: Sequence[tuple[Sequence[int], Sequence[int]]])
     path = Path(path)
     table = pa.table(
         {
-            "input_ids": pa.array([np.asarray(ids, dtype=np.int32) for ids, _ in rows], type=SCHEMA.field(0).type),
+            "input_ids": pa.array(
+                [np.asarray(ids, dtype=np.int32) for ids, _ in rows], type=SCHEMA.field(0).type
+            ),
             "loss_mask": pa.array([np.asarray(m, dtype=np.int8) for _, m in rows], type=SCHEMA.field(1).type),
         },
         schema=SCHEMA,
@@ -77,6 +79,7 @@ def synth_shards(
         )
         assert out.shape[1] == seq_len, out.shape
         return out
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
