@@ -24,6 +24,7 @@ import mmap
 import os
 import struct
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -252,7 +253,9 @@ class Loader:
         with header.path.open("rb") as f:
             mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         try:
-            host = torch.frombuffer(mapping, dtype=torch.uint8)
+            with warnings.catch_warnings():  # the mapping is read-only on purpose: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                host = torch.frombuffer(mapping, dtype=torch.uint8)
             ptr, size = host.data_ptr(), host.numel()
             read_only = 8  # cudaHostRegisterReadOnly
             err = cudart.cudaHostRegister(ptr, size, read_only)
