@@ -84,9 +84,9 @@ def test_flag_combinations_train(tmp_path, tiny_target, shards, checkpointing, c
         compile_backend='"aot_eager"',
     )
     seen = []
-    result = train(cfg, hooks=[seen.append])
-    assert [m.step for m in seen] == [1, 2]
-    assert all(torch.isfinite(torch.tensor(m.loss)) and m.grad_norm > 0 for m in seen)
+    result = train(cfg, hooks=[seen.append], on_ready=lambda: seen.append("ready"))
+    assert seen[0] == "ready" and [m.step for m in seen[1:]] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(m.loss)) and m.grad_norm > 0 for m in seen[1:])
     assert result.checkpoint is not None and result.checkpoint.name == "step-00000002"
 
 

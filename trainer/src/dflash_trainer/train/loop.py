@@ -196,10 +196,16 @@ def train(
     max_steps: int | None = None,
     hooks: Sequence[Hook] = (),
     stop: threading.Event | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> TrainResult:
-    """Trains until the schedule's horizon, or `max_steps` (a stop, not a new horizon), or `stop` is set."""
+    """Trains until the schedule's horizon, or `max_steps` (a stop, not a new horizon), or `stop` is set.
+
+    `on_ready` is called once models, data and the newest checkpoint are loaded (systemd's READY=1).
+    """
     run = Run(cfg)
     checkpoint = run.resume()
+    if on_ready is not None:
+        on_ready()
     saved_at = run.step
     limit = run.total_steps if max_steps is None else min(max_steps, run.total_steps)
     t = cfg.train
