@@ -226,7 +226,9 @@ report() {  # report ARCHIVE SECONDS
   say "volid     $STORAGE:vztmpl/$(basename "$archive")"
   say "manifest  /etc/dflash/image.json (copy: ${archive%.tar.zst}.json; latest: $OUT_DIR/$VARIANT.json)"
   # CPU time of every build process: on a busy shared machine the wall time says more about the neighbours.
-  say "cpu       $(times | tail -n1 | awk '{print "user " $1 ", sys " $2}') (load now: $(cut -d' ' -f1-3 /proc/loadavg))"
+  times >"$TMP/times"  # a builtin, redirected (not piped) so that it reports on this shell's children
+  say "cpu       $(tail -n1 "$TMP/times" | awk '{print "user " $1 ", sys " $2}') of all build processes; \
+load average now $(cut -d' ' -f1-3 /proc/loadavg)"
   if [ "$VARIANT" = cpu ]; then
     say "size      $size_mb MiB (unpacked $unpacked_mb MiB); budget $BUDGET_MB MiB: \
 $([ "$size_mb" -le $BUDGET_MB ] && echo ok || echo OVER)"
