@@ -14,7 +14,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-VENV = Path("/opt/dflash/venv")
+VENV = Path("/opt/dflash/venv")  # a link to venvs/LOCKSHA16, as the L3 role lays it out
 
 
 def debian_packages() -> dict[str, str]:
@@ -57,6 +57,7 @@ def manifest() -> dict[str, object]:
         "trainer_version": env["IMAGE_TRAINER_VERSION"],
         "trainer_wheel": env["IMAGE_TRAINER_WHEEL"],
         "venv": str(VENV),
+        "venv_dir": str(VENV.resolve()),
         "units": units(),
         "debian_packages": debian_packages(),
         "python_packages": python_packages(),

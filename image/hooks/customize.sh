@@ -11,7 +11,11 @@ set -euo pipefail
 ROOT=${1:?usage: customize.sh ROOTDIR}
 : "${IMAGE_TRAINER_VERSION:?}" "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
 STAGE=/tmp/dflash-build  # inside the chroot; mmdebstrap empties /tmp at the end
-VENV=/opt/dflash/venv
+# The L3 role's layout (roles/ct_environment/tasks/venv.yml): one venv per lock under venvs/, stamped complete
+# with the lock's sha256, and the stable path a link to it. The role then finds this venv complete and keeps it.
+: "${IMAGE_LOCK_SHA256:?}"
+VENV=/opt/dflash/venvs/${IMAGE_LOCK_SHA256:0:16}
+VENV_LINK=/opt/dflash/venv
 
 die() { echo "customize: $*" >&2; exit 1; }
 
@@ -54,7 +58,9 @@ install_venv() {
   in_chroot "$VENV/bin/python" -m pip check >&2 || die "the venv's dependencies are inconsistent (pip check)"
   unmount_wheels
   trap - EXIT
-  ln -sfn "$VENV/bin/dflash-train" "$ROOT/usr/local/bin/dflash-train"
+  echo "$IMAGE_LOCK_SHA256" >"$ROOT$VENV/.dflash-lock.sha256"
+  ln -sfn "$VENV" "$ROOT$VENV_LINK"
+  ln -sfn "$VENV_LINK/bin/dflash-train" "$ROOT/usr/local/bin/dflash-train"
 }
 
 install_units() {  # plain unit files that roles ship; templates are rendered by their role at deploy time

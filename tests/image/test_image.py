@@ -100,6 +100,14 @@ def test_manifest_matches_the_lock_and_pins(ct: Host, built: image.BuiltImage) -
     assert set(dpkg) == set(pins)
 
 
+def test_venv_laid_out_as_the_l3_role_expects(ct: Host) -> None:
+    """roles/ct_environment finds the image's venv stamped complete and keeps it."""
+    lock_sha = hashlib.sha256((REPO / "trainer" / "requirements.lock").read_bytes()).hexdigest()
+    venv = f"/opt/dflash/venvs/{lock_sha[:16]}"
+    assert ct.file("/opt/dflash/venv").linked_to == venv
+    assert ct.file(f"{venv}/.dflash-lock.sha256").content_string.strip() == lock_sha
+
+
 def test_no_build_leftovers(ct: Host) -> None:
     assert not ct.file("/tmp/dflash-build").exists
     assert not ct.file("/etc/apt/preferences.d/dflash-pins.pref").exists
