@@ -3,7 +3,7 @@
 From a tiny random target and shards it regenerated itself, a 2-layer drafter is trained for a few hundred
 steps (a minute or two on a laptop CPU). It prints figures; it asserts nothing about time.
 
-    python trainer/scripts/learn_demo.py [--steps 300] [--workdir DIR]
+    python trainer/scripts/learn_demo.py [--steps 600] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def show(label: str, figures: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--workdir", type=Path, help="default: a temporary directory")
     args = parser.parse_args()
     torch.set_num_threads(2)

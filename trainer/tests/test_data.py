@@ -68,6 +68,9 @@ def test_resume_continues_exactly(tmp_path):
     other = ShardReader(train, seed=6, shuffle_window=3)
     with pytest.raises(DataError, match=r"data\.seed=6"):
         other.load_state_dict(reader.state_dict())
+    fewer = ShardReader(train[1:], seed=5, shuffle_window=3)
+    with pytest.raises(DataError, match="the training data changed since the checkpoint: 3 shards"):
+        fewer.load_state_dict(reader.state_dict())
 
 
 def test_bad_shards_name_the_file(tmp_path):

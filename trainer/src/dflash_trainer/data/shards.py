@@ -113,12 +113,25 @@ class ShardReader:
         self.epoch, self.shard, self.row = 0, 0, 0  # row: index into the shard's shuffled order
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "shard": self.shard, "row": self.row, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "row": self.row,
+            "seed": self.seed,
+            "num_shards": len(self.segments),
+            "num_rows": self.num_rows,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """A position is only meaningful over the same rows in the same order: anything else is refused."""
         if state["seed"] != self.seed:
             raise DataError(
                 f"resuming with data.seed={self.seed}, the checkpoint was made with {state['seed']}"
+            )
+        if (state["num_shards"], state["num_rows"]) != (len(self.segments), self.num_rows):
+            raise DataError(
+                f"the training data changed since the checkpoint: {state['num_shards']} shards and "
+                f"{state['num_rows']} rows then, {len(self.segments)} and {self.num_rows} now"
             )
         self.epoch, self.shard, self.row = state["epoch"], state["shard"], state["row"]
 
