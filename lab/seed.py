@@ -83,7 +83,7 @@ def ensure_seed_files(settings: LabSettings) -> bool:
             str(model),
             "--out",
             str(out),
-            "--num-shards",
+            "--shards",
             str(NUM_SHARDS),
             "--seed",
             seed,

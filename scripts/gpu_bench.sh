@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool): every GPU benchmark and GPU-only test, each under its own
+# time limit so a slow one cannot eat the others. Results: $OUT/*.log and *.json; figures go to docs/benchmarks.md.
+#   device run:  bash scripts/gpu_bench.sh            (carry .whl: flash-linear-attention + fla-core wheels)
+# Budget: about 9 minutes on nvidia-h200-x2 (two GPUs: the 1:1 pipeline and two parallel loaders).
+set -u
+OUT=${OUT:-/tmp/gpu-bench}
+mkdir -p "$OUT"
+# NVLink multicast stays off on shared hosts (the device tool's rule).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/trainer/src:${PYTHONPATH:-}
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+
+run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, the tail to the terminal
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 30 "$OUT/$name.log"
+  echo "=== $name rc=$rc in $((SECONDS - start)) s"
+}
+
+run drafter 270 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --no-extras --out "$OUT/drafter.json"
+devices=cuda:0; [ "$gpus" -ge 2 ] && devices=cuda:0,cuda:1
+run load 75 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --devices "$devices"
+if [ "$gpus" -ge 2 ]; then
+  run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --targets 1 --drafters 1 --out "$OUT/pipeline.json"
+else
+  run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
+fi
+run gputests 60 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py
