@@ -83,6 +83,8 @@ def test_source_that_does_not_build_leaves_nothing(lab_host, tmp_path, version):
             f"nvidia_driver_source_file={source}",
             "-e",
             f"nvidia_driver_source_sha256={digest}",
+            "-e",
+            "nvidia_driver_source_strip_components=1",
         )
     finally:
         attach("sh", "-c", f"rm -f /var/cache/dflash/nvidia/*{version}*")
@@ -115,3 +117,23 @@ def test_trial_boot_refused_without_the_module(lab_host):
         attach("sh", "-c", REMOVE_FAKE + " /run/fake-proxmox-boot-tool.log")
     assert "refusing to boot 6.1.0-47-amd64: module(s) nvidia, nvidia-uvm not built for it" in out
     assert calls == "", f"proxmox-boot-tool was called: {calls}"
+
+
+def test_tarball_that_is_not_the_module_source_leaves_nothing(lab_host, tmp_path):
+    source, digest = broken_source(tmp_path, "535.999.98")
+    try:
+        out = run_refused(
+            "-e",
+            "nvidia_driver_version=535.999.98",
+            "-e",
+            f"nvidia_driver_source_file={source}",
+            "-e",
+            f"nvidia_driver_source_sha256={digest}",
+            "-e",
+            "nvidia_driver_source_strip_components=2",
+        )
+    finally:
+        attach("sh", "-c", "rm -f /var/cache/dflash/nvidia/*535.999.98*")
+    assert "has neither kernel-open/Kbuild nor Kbuild at its top" in out
+    assert "nvidia_driver_source_strip_components=2 is wrong" in out
+    assert attach("test", "-e", "/usr/src/nvidia-535.999.98.partial").returncode != 0
