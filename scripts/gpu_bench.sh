@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool): every GPU benchmark and GPU-only test, each under its own
 # time limit so a slow one cannot eat the others. Results: $OUT/*.log and *.json; figures go to docs/benchmarks.md.
-#   device run:  bash scripts/gpu_bench.sh            (carry .whl: flash-linear-attention + fla-core wheels)
+#   device run:  bash scripts/gpu_bench.sh [SECTION...]   (carry .whl: flash-linear-attention + fla-core wheels)
+#   sections: drafter load pipeline gputests (default: all, in that order)
 # Budget: about 9 minutes on nvidia-h200-x2 (two GPUs: the 1:1 pipeline and two parallel loaders).
 set -u
 OUT=${OUT:-/tmp/gpu-bench}
@@ -27,12 +28,16 @@ run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, the tail to the ter
   echo "=== $name rc=$rc in $((SECONDS - start)) s"
 }
 
-run drafter 270 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --no-extras --out "$OUT/drafter.json"
+sections=${*:-drafter load pipeline gputests}
+want() { [[ " $sections " == *" $1 "* ]]; }
+
+want drafter && run drafter 270 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --no-extras --out "$OUT/drafter.json"
 devices=cuda:0; [ "$gpus" -ge 2 ] && devices=cuda:0,cuda:1
-run load 75 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --devices "$devices"
-if [ "$gpus" -ge 2 ]; then
+want load && run load 90 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --devices "$devices" --sweep
+if ! want pipeline; then :
+elif [ "$gpus" -ge 2 ]; then
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --targets 1 --drafters 1 --out "$OUT/pipeline.json"
 else
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
 fi
-run gputests 60 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py
+want gputests && run gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py

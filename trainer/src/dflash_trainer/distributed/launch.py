@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="drafter steps to run (default: the config's horizon)")
     p.add_argument("--depth", type=int, default=2, help="items in flight per rank (back-pressure bound)")
     p.add_argument("--log-every", type=int, default=10, help="per-rank metrics line every N items/steps")
+    p.add_argument(
+        "--warmup-items", type=int, default=0, help="items before the steady-state throughput is measured"
+    )
     p.add_argument("--timeline", type=Path, help="rank 0 writes the per-rank timeline PNG here")
     p.add_argument("--metrics-out", type=Path, help="rank 0 writes every rank's summary as JSON here")
     p.add_argument("--timeout-s", type=float, default=300.0, help="p2p/collective timeout once running")
@@ -172,7 +175,7 @@ def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor)
     if len({w[1] for w in wires}) != 1:
         raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
     dist.barrier(group=control)  # everyone loaded: the running timeout applies from here
-    meter = RankMeter(rank, role.value, str(device), me.host)
+    meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=args.warmup_items)
     span = RunSpan(start, steps, args.depth, args.log_every)
     fault = fault_from_env()
 

@@ -30,6 +30,9 @@ class RankSummary:
     inflight_mean: float
     intervals: list[tuple[float, float, str]] = field(default_factory=list)  # absolute wall-clock times
     extra: dict[str, float | int | str] = field(default_factory=dict)
+    # After the first `warmup_items` items (compilation, first communicator set-up): the steady state.
+    steady_wall_s: float = 0.0
+    steady_tokens: int = 0
 
     def fraction(self, state: str) -> float:
         return self.seconds.get(state, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
@@ -44,8 +47,12 @@ class RankSummary:
 
 
 class RankMeter:
-    def __init__(self, rank: int, role: str, device: str, host: str, *, keep: int = 4000) -> None:
+    def __init__(
+        self, rank: int, role: str, device: str, host: str, *, keep: int = 4000, warmup_items: int = 0
+    ) -> None:
         self.rank, self.role, self.device, self.host = rank, role, device, host
+        self.warmup_items = warmup_items
+        self._steady: tuple[float, int] | None = (time.time(), 0) if warmup_items == 0 else None
         self.start = time.time()
         self.seconds = dict.fromkeys(STATES, 0.0)
         self.intervals: deque[tuple[float, float, str]] = deque(maxlen=keep)
@@ -57,7 +64,8 @@ class RankMeter:
 
     def restart(self) -> None:
         """Starts the clock after startup (model loading), so fractions describe the pipeline itself."""
-        self.__init__(self.rank, self.role, self.device, self.host, keep=self.intervals.maxlen or 4000)
+        keep = self.intervals.maxlen or 4000
+        self.__init__(self.rank, self.role, self.device, self.host, keep=keep, warmup_items=self.warmup_items)
 
     @contextlib.contextmanager
     def span(self, state: str) -> Iterator[None]:
@@ -72,6 +80,8 @@ class RankMeter:
     def count(self, tokens: int, items: int = 1) -> None:
         self.tokens += tokens
         self.items += items
+        if self._steady is None and self.items >= self.warmup_items:
+            self._steady = (time.time(), self.tokens)
 
     def inflight(self, depth: int) -> None:
         self._inflight_sum += depth
@@ -91,6 +101,8 @@ class RankMeter:
         )
 
     def summary(self, **extra: float | int | str) -> RankSummary:
+        now = time.time()
+        steady_start, steady_tokens0 = self._steady or (now, self.tokens)
         return RankSummary(
             rank=self.rank,
             role=self.role,
@@ -103,14 +115,17 @@ class RankMeter:
             inflight_mean=self._inflight_sum / max(1, self._inflight_n),
             intervals=list(self.intervals),
             extra=dict(extra),
+            steady_wall_s=now - steady_start,
+            steady_tokens=self.tokens - steady_tokens0,
         )
 
 
 def pipeline_tokens_per_s(summaries: list[RankSummary]) -> float:
-    """Tokens trained per second by all drafters together over the longest drafter wall time."""
+    """Tokens trained per second by all drafters together over the longest drafter steady-state wall time
+    (the whole run when no warm-up was asked for)."""
     drafters = [s for s in summaries if s.role == "drafter"]
-    wall = max((s.wall_s for s in drafters), default=0.0)
-    return sum(s.tokens for s in drafters) / wall if wall > 0 else 0.0
+    wall = max((s.steady_wall_s for s in drafters), default=0.0)
+    return sum(s.steady_tokens for s in drafters) / wall if wall > 0 else 0.0
 
 
 def summary_table(summaries: list[RankSummary]) -> str:
