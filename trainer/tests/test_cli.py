@@ -49,10 +49,18 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert code == 1 and "neither a checkpoint nor a directory holding checkpoints" in err
 
 
-@pytest.mark.parametrize("command", ["preflight", "plan", "smoke"])
-def test_placeholders_exit_2(capsys, command):
-    code, _, err = run(capsys, command)
-    assert code == 2 and err == f"dflash-train {command}: not built yet\n"
+def test_preflight_passes_its_arguments_through(capsys, tmp_path):
+    missing = tmp_path / "nope.toml"
+    code, out, err = run(capsys, "preflight", str(missing))
+    assert code == 1
+    assert f"FAIL config: {missing}: no such file" in out + err
+
+
+def test_plan_needs_a_gpu_count(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan"])
+    assert e.value.code == 2
+    assert "the following arguments are required: gpus" in capsys.readouterr().err
 
 
 def test_manifest_write_and_check(tmp_path, capsys):

@@ -172,11 +172,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_built(args: argparse.Namespace) -> int:
-    print(f"dflash-train {args.command}: not built yet", file=sys.stderr)
-    return 2
-
-
 # ---- parser ----
 
 
@@ -243,16 +238,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
-    for name, text in (
-        ("preflight", "check the machine, models, data and trackers"),
-        ("plan", "print the rank topology"),
-        ("smoke", "short run over every code path"),
-    ):
-        sub.add_parser(name, help=f"{text} (not built yet)").set_defaults(func=cmd_not_built)
+    from dflash_trainer.distributed.plan import add_plan_arguments, plan_main
+
+    plan = sub.add_parser("plan", help="measure target and drafter throughput; print the split of GPUS")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=plan_main)
+
+    for name, (_, text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)  # listed here, dispatched by main()
     return parser
 
 
+# The service's entry points parse their own arguments (their --help too): everything after the name passes.
+PASSTHROUGH: dict[str, tuple[str, str]] = {
+    "preflight": ("preflight_main", "check the machine, models, data and trackers, in seconds"),
+    "smoke": ("smoke_main", "smoke prepare|report (used by make smoke-train)"),
+    "serve": ("service_main", "one rank of dflash-train.service"),
+    "launch": ("launch_main", "the unit's main process: starts and watches the ranks"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        from dflash_trainer import service
+
+        return getattr(service, PASSTHROUGH[argv[0]][0])(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

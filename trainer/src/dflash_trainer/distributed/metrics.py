@@ -53,6 +53,7 @@ class RankMeter:
         self.rank, self.role, self.device, self.host = rank, role, device, host
         self.warmup_items = warmup_items
         self._steady: tuple[float, int] | None = (time.time(), 0) if warmup_items == 0 else None
+        self._last_count = time.time()
         self.start = time.time()
         self.seconds = dict.fromkeys(STATES, 0.0)
         self.intervals: deque[tuple[float, float, str]] = deque(maxlen=keep)
@@ -80,8 +81,9 @@ class RankMeter:
     def count(self, tokens: int, items: int = 1) -> None:
         self.tokens += tokens
         self.items += items
+        self._last_count = time.time()
         if self._steady is None and self.items >= self.warmup_items:
-            self._steady = (time.time(), self.tokens)
+            self._steady = (self._last_count, self.tokens)
 
     def inflight(self, depth: int) -> None:
         self._inflight_sum += depth
@@ -102,6 +104,7 @@ class RankMeter:
 
     def summary(self, **extra: float | int | str) -> RankSummary:
         now = time.time()
+        # The steady window ends at the last item, not after the final checkpoint save and teardown.
         steady_start, steady_tokens0 = self._steady or (now, self.tokens)
         return RankSummary(
             rank=self.rank,
@@ -115,7 +118,7 @@ class RankMeter:
             inflight_mean=self._inflight_sum / max(1, self._inflight_n),
             intervals=list(self.intervals),
             extra=dict(extra),
-            steady_wall_s=now - steady_start,
+            steady_wall_s=self._last_count - steady_start if self._steady else 0.0,
             steady_tokens=self.tokens - steady_tokens0,
         )
 
