@@ -13,7 +13,6 @@ export PYTHONUNBUFFERED := 1
 
 # Checks the inventory before any play: a missing path or a malformed file is one line naming it.
 CHECK_INVENTORY = $(PY) scripts/check_inventory.py $(INVENTORY)
-not-built = { echo "make $@: not built yet ($(1)); see the open issue" >&2; exit 2; }
 
 .PHONY: help
 help: ## list the entry points
@@ -36,6 +35,7 @@ test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's chec
 	$(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
 	$(PY) -m pytest -q -m "not slow" tests/lab
 	scripts/molecule_all.sh
+	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
 
 .PHONY: test-slow
 test-slow: bootstrap lab ## the long checks: slow molecule scenarios (DKMS build) and slow tests
@@ -67,20 +67,29 @@ verify: bootstrap ## run the testinfra layer checks against INVENTORY, in layer 
 .PHONY: smoke-train
 smoke-train: bootstrap ## 100-step warmup as a transient unit in INVENTORY's container
 	@$(CHECK_INVENTORY)
-	@$(call not-built,issue 5)
+	INVENTORY=$(INVENTORY) scripts/smoke_train.sh
 
 .PHONY: logs
 logs: bootstrap ## follow the dflash-train journal in INVENTORY's container
 	@$(CHECK_INVENTORY)
-	@$(call not-built,issue 5)
+	INVENTORY=$(INVENTORY) scripts/logs.sh
+
+VARIANT ?= cpu
 
 .PHONY: image
-image: bootstrap ## build the CT template (VARIANT=cpu|cuda)
-	@$(call not-built,issue 9)
+image: bootstrap ## build the CT template (VARIANT=cpu|cuda); prints its path and volid
+	image/build.sh $(VARIANT)
+
+.PHONY: image-pins
+image-pins: bootstrap ## re-resolve image/packages.in into image/packages.txt; review the diff
+	image/build.sh --refresh-pins
 
 .PHONY: bench
-bench: bootstrap ## print the benchmarks' figures (GPU parts run on a GPU machine)
-	@$(call not-built,issues 3 4 8)
+bench: bootstrap lab ## CPU sizes of every benchmark (figures, no assertions); GPU sizes: scripts/gpu_bench.sh
+	$(TRAINER_VENV)/bin/python trainer/bench/bench_drafter.py --device cpu --out build/bench/drafter-cpu.json
+	$(TRAINER_VENV)/bin/python trainer/bench/bench_pipeline.py --size tiny --cpu --out build/bench/pipeline-cpu.json
+	$(TRAINER_VENV)/bin/python trainer/bench/bench_load.py --size-gb 0.2 --device cpu
+	$(PY) trainer/bench/bench_sync.py
 
 .PHONY: lock
 lock: ## re-resolve the locks in clean venvs; review the diff, upgrades are on purpose
