@@ -135,6 +135,20 @@ class ShardReader:
             )
         self.epoch, self.shard, self.row = state["epoch"], state["shard"], state["row"]
 
+    def state_at(self, rows: int) -> dict[str, int]:
+        """The state after `rows` rows from the start of epoch 0, computed, not read: the pipeline's data
+        position is an item number (item i is rows [i*B, (i+1)*B)), and this turns it into a position."""
+        if rows < 0:
+            raise ValueError(f"row position {rows} < 0")
+        epoch, left = divmod(rows, self.num_rows)
+        shard = 0
+        for shard, index in enumerate(self._shard_order(epoch)):  # noqa: B007  # `shard` is the answer
+            seg = self.segments[int(index)]
+            if left < seg.stop - seg.start:
+                break
+            left -= seg.stop - seg.start
+        return self.state_dict() | {"epoch": epoch, "shard": shard, "row": left}
+
     def _shard_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.segments))
 

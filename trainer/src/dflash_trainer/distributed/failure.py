@@ -129,6 +129,10 @@ class PeerMonitor:
         timeout = timedelta(seconds=max(10.0, self.dead_after))
         return dist.TCPStore(self._addr[0], self._addr[1], is_master=False, timeout=timeout)
 
+    def job_store(self) -> dist.Store:
+        """The job's store on a connection of its own, under this attempt's prefix (the stop agreement)."""
+        return dist.PrefixStore(self._prefix, self._client())
+
     def start(self) -> PeerMonitor:
         self._thread.start()
         return self

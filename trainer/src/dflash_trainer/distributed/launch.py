@@ -14,6 +14,10 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ from dflash_trainer.distributed.failure import (
 )
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
+from dflash_trainer.distributed.stopping import StopSignal
 from dflash_trainer.distributed.topology import Role, resolve_topology
 
 log = logging.getLogger("dflash_trainer.distributed")
@@ -48,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", type=_count, help="override topology.targets (int or auto)")
     p.add_argument("--drafters", type=_count, help="override topology.drafters (int or auto)")
     p.add_argument("--steps", type=int, help="drafter steps to run (default: the config's horizon)")
+    p.add_argument(
+        "--max-steps", type=int, help="stop (and save) at this step; the LR schedule keeps its horizon"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
     p.add_argument("--depth", type=int, default=2, help="items in flight per rank (back-pressure bound)")
     p.add_argument("--log-every", type=int, default=10, help="per-rank metrics line every N items/steps")
     p.add_argument(
@@ -67,6 +76,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-s", type=float, default=0.0, help="synthetic: seconds per target item")
     p.add_argument("--drafter-s", type=float, default=0.0, help="synthetic: seconds per drafter step")
     return p
+
+
+@dataclass
+class Control:
+    """What `dflash-train serve` adds to a rank (service/pipeline.py); plain torchrun launches pass none."""
+
+    stop: threading.Event  # set on SIGTERM: the ranks agree on a stop step (stopping.py), save, return 0
+    on_ready: Callable[[], None]  # every rank, once all ranks have loaded (and resumed)
+    on_step: Callable[[Any], None] | None  # the drafter leader, after each step, with its StepMetrics
+
+
+class _Observed:
+    """The drafter leader's consumer, reporting each step's metrics (tokens/s of the whole pipeline)."""
+
+    def __init__(self, inner: Any, on_step: Callable[[Any], None], num_drafters: int) -> None:
+        self.inner, self.on_step, self.num_drafters = inner, on_step, num_drafters
+        self._last: float | None = None
+
+    def step(self, step: int, item: int, batch: Any) -> str:
+        note = self.inner.step(step, item, batch)
+        now, m = time.perf_counter(), self.inner.last
+        # Wall time between step ends: what the pipeline delivers, waits on targets included.
+        elapsed = now - self._last if self._last is not None else m.step_s
+        m.tokens_per_s = m.seq_tokens * self.num_drafters / elapsed if elapsed > 0 else 0.0
+        self._last = now
+        self.on_step(m)
+        return note
+
+    def finish(self, step: int) -> dict[str, Any]:
+        return self.inner.finish(step)
 
 
 def _device(cpu: bool) -> tuple[torch.device, str]:
@@ -134,19 +173,24 @@ def _report(summaries: list[RankSummary], args: argparse.Namespace) -> None:
         args.metrics_out.write_text(json.dumps(data, indent=1))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, control: Control | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, backend = _device(args.cpu)
     targets, drafters = _topology_counts(args)
     topo = resolve_topology(world, targets, drafters)
     role = topo.role(rank)
     me = Identity(rank, role.value, str(device), socket.gethostname())
-    _setup_logging(me)
+    if control is None:
+        _setup_logging(me)
+    else:  # the service's journal format; the line prefix takes the role now
+        from dflash_trainer.service.logs import set_role
+
+        set_role(role.value)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.startup_timeout_s))
     monitor = PeerMonitor(me, world, interval=args.heartbeat_s, dead_after=args.dead_after_s).start()
     install_excepthooks(me, device, monitor)
     try:
-        return _run_role(args, rank, topo, role, me, device, backend, monitor)
+        return _run_role(args, rank, topo, role, me, device, backend, monitor, control)
     except BaseException as exc:
         handle_failure(me, exc, device, monitor)
         raise  # to torchrun's @record: the error file it reports as the root cause
@@ -154,10 +198,12 @@ def run(args: argparse.Namespace) -> int:
         monitor.done()
 
 
-def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor) -> int:
+def _run_role(
+    args, rank, topo, role, me, device, backend, monitor: PeerMonitor, control: Control | None
+) -> int:
     running = timedelta(seconds=args.timeout_s)
     # Every rank creates every group, in the same order (torch.distributed requires it).
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.startup_timeout_s))
+    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.startup_timeout_s))
     pipe = dist.new_group(timeout=running, backend=backend)
     drafters = dist.new_group(topo.drafter_ranks, timeout=running, backend=backend)
     log.info(
@@ -171,10 +217,20 @@ def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor)
     )
     work, wire, steps, start = _build(args, role, device, drafters, topo)
     wires: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(wires, (str(me), dataclasses.astuple(wire)), group=control)
+    dist.all_gather_object(wires, (str(me), dataclasses.astuple(wire)), group=gloo)
     if len({w[1] for w in wires}) != 1:
         raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
-    dist.barrier(group=control)  # everyone loaded: the running timeout applies from here
+    if args.resume and not (args.synthetic or args.bench):
+        from dflash_trainer.distributed.work_dflash import agree_on_start
+
+        start = agree_on_start(work, topo, gloo, rank)
+    dist.barrier(group=gloo)  # everyone loaded: the running timeout applies from here
+    stopper = None
+    if control is not None:
+        control.on_ready()
+        stopper = StopSignal(monitor.job_store(), control.stop)
+        if control.on_step is not None and rank == topo.drafter_ranks[0]:
+            work = _Observed(work, control.on_step, topo.num_drafters)
     meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=args.warmup_items)
     span = RunSpan(start, steps, args.depth, args.log_every)
     fault = fault_from_env()
@@ -184,16 +240,16 @@ def _run_role(args, rank, topo, role, me, device, backend, monitor: PeerMonitor)
 
     extra: dict[str, Any] = {}
     if role is Role.TARGET:
-        run_target(rank, topo, work, wire, pipe, span, meter, device, fault, say)
+        run_target(rank, topo, work, wire, pipe, span, meter, device, fault, say, stopper)
     else:
-        extra = run_drafter(rank, topo, work, wire, pipe, span, meter, device, fault, say)
+        extra = run_drafter(rank, topo, work, wire, pipe, span, meter, device, fault, say, stopper)
     summary = meter.summary(**extra)
     gathered: list[Any] | None = [None] * topo.world_size if rank == 0 else None
-    dist.gather_object(summary, gathered, dst=0, group=control)
+    dist.gather_object(summary, gathered, dst=0, group=gloo)
     if rank == 0:
         _report(list(gathered), args)
     monitor.done()  # before the last barrier: rank 0 may host the store and exit first
-    dist.barrier(group=control)
+    dist.barrier(group=gloo)
     dist.destroy_process_group()
     return 0
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from dflash_trainer.distributed.failure import Fault, maybe_inject
 from dflash_trainer.distributed.metrics import RankMeter
-from dflash_trainer.distributed.schedule import dest, drafter_item, source, target_items
+from dflash_trainer.distributed.schedule import dest, drafter_item, source, step_of, target_items
+from dflash_trainer.distributed.stopping import StopSignal, drain_end
 from dflash_trainer.distributed.topology import Topology
 from dflash_trainer.distributed.transport import Receiver, Sender, TargetBatch, WireFormat
 
@@ -58,18 +59,42 @@ def run_target(
     device: torch.device,
     fault: Fault | None,
     say: Callable[[str], None],
+    stopper: StopSignal | None = None,
 ) -> None:
     t, m = topo.index(rank), topo.num_drafters
-    sender = Sender(wire, group, span.depth, meter)
+    sender = Sender(wire, group, span.depth, meter, device)
     items = target_items(t, topo.num_targets, span.start_step * m, span.stop_step * m)
+    stop: tuple[int, int] | None = None  # (stop step, drain end) once the drafter leader has decided
+
+    def poll() -> tuple[int, int] | None:
+        if stopper is None or stop is not None or (at := stopper.poll()) is None:
+            return stop
+        end = drain_end(at, span.stop_step, span.depth, topo.num_targets, m)
+        say(f"stopping: the drafters stop at step {at}; empty items up to item {end}")
+        return at, end
+
     for count, item in enumerate(items):
-        maybe_inject(fault, rank, count)
-        with meter.span("data"):
-            batch = producer.load(item)
-        with meter.span("busy"):
-            captured = producer.forward(batch)
-            _sync(device)
-        sender.send(item, captured, topo.drafter_rank(dest(item, m)))
+        stop = poll()
+        captured = None
+        if stop is None or step_of(item, m) < stop[0]:
+            maybe_inject(fault, rank, count)
+            with meter.span("data"):
+                batch = producer.load(item)
+            with meter.span("busy"):
+                captured = producer.forward(batch)
+                _sync(device)
+        sender.make_room()
+        # Asked again after the back-pressure wait: that wait may have ended in the drafters' drain, after
+        # which only items below the drain's end may go (stopping.py).
+        stop = poll()
+        dst = topo.drafter_rank(dest(item, m))
+        if stop is not None and item >= stop[1]:
+            break
+        if stop is not None and step_of(item, m) >= stop[0]:
+            sender.send_empty(item, dst)
+            continue
+        assert captured is not None
+        sender.send(item, captured, dst)
         meter.count(captured.input_ids.numel())
         if (count + 1) % span.log_every == 0:
             say(f"item {item}: {meter.window()}")
@@ -87,15 +112,22 @@ def run_drafter(
     device: torch.device,
     fault: Fault | None,
     say: Callable[[str], None],
+    stopper: StopSignal | None = None,
 ) -> dict[str, Any]:
     d, n, m = topo.index(rank), topo.num_targets, topo.num_drafters
+    stop: int | None = None
 
     def plan(step: int) -> tuple[int, int]:
         item = drafter_item(d, m, step)
         return item, topo.target_rank(source(item, n))
 
     receiver = Receiver(wire, group, span.depth, device, meter, plan, span.stop_step)
-    for step in range(span.start_step, span.stop_step):
+    step = span.start_step
+    while step < span.stop_step:
+        if stopper is not None:
+            stop = stopper.decide(step) if d == 0 else stopper.poll()
+            if stop is not None and step >= stop:
+                break
         maybe_inject(fault, rank, step - span.start_step)
         item, batch = receiver.get(step)
         with meter.span("busy"):
@@ -103,4 +135,8 @@ def run_drafter(
         meter.count(batch.input_ids.numel())
         if (step + 1) % span.log_every == 0:
             say(f"step {step + 1}: {note} | {meter.window()}")
-    return consumer.finish(span.stop_step)
+        step += 1
+    if stop is not None:
+        end = drain_end(stop, span.stop_step, span.depth, n, m)
+        say(f"stopped at step {step}: discarded {receiver.drain(end)} item(s) in flight, up to item {end}")
+    return consumer.finish(step) | {"stopped": stop is not None and step < span.stop_step}

@@ -85,8 +85,17 @@ class WireFormat:
 class Sender:
     """A target rank's outgoing items; at most `depth` isends outstanding."""
 
-    def __init__(self, wire: WireFormat, group: dist.ProcessGroup, depth: int, meter: RankMeter) -> None:
+    def __init__(
+        self,
+        wire: WireFormat,
+        group: dist.ProcessGroup,
+        depth: int,
+        meter: RankMeter,
+        device: torch.device | None = None,
+    ) -> None:
         self.wire, self.group, self.depth, self.meter = wire, group, depth, meter
+        self._device = device if device is not None else torch.device("cpu")
+        self._zeros: torch.Tensor | None = None
         self._inflight: deque[tuple[int, list[dist.Work], tuple[torch.Tensor, ...]]] = deque()
 
     def _wait_oldest(self) -> None:
@@ -95,13 +104,27 @@ class Sender:
             for work in works:
                 work.wait()
 
-    def send(self, item: int, batch: TargetBatch, dst: int) -> None:
+    def make_room(self) -> None:
+        """Back-pressure: waits until fewer than `depth` sends are outstanding."""
         while len(self._inflight) >= self.depth:
             self._wait_oldest()
+
+    def send(self, item: int, batch: TargetBatch, dst: int) -> None:
+        self.make_room()
         meta, context = self.wire.pack(item, batch)
         works = [dist.isend(meta, dst, group=self.group), dist.isend(context, dst, group=self.group)]
         self._inflight.append((item, works, (meta, context)))
         self.meter.inflight(len(self._inflight))
+
+    def send_empty(self, item: int, dst: int) -> None:
+        """A header-only stand-in for an item past a stop: it meets a receive the drafter has posted."""
+        if self._zeros is None:  # one zero context for every stand-in (sends only read it)
+            self._zeros = torch.zeros_like(self.wire.empty(self._device)[1])
+        self.make_room()
+        meta = torch.zeros_like(self.wire.empty(self._device)[0])
+        meta[:HEADER] = torch.tensor([item, 0, 0, MAGIC], dtype=torch.long)
+        works = [dist.isend(meta, dst, group=self.group), dist.isend(self._zeros, dst, group=self.group)]
+        self._inflight.append((item, works, (meta,)))
 
     def flush(self) -> None:
         while self._inflight:
@@ -147,3 +170,23 @@ class Receiver:
             for work in works:
                 work.wait()
         return item, self.wire.unpack(meta, context, item)
+
+    def drain(self, end_item: int) -> int:
+        """After a stop: completes every posted receive, and posts and completes this rank's receives of the
+        items below `end_item` (see stopping.py), discarding them all. Returns how many it discarded."""
+        discarded = 0
+        step = 0 if self._next_post is None else self._next_post
+        while True:
+            if len(self._posted) < self.depth and self.plan(step)[0] < end_item:
+                self._post(step)
+                step += 1
+                continue
+            if not self._posted:
+                break
+            _step, item, works, meta, context = self._posted.popleft()
+            for work in works:
+                work.wait()
+            self.wire.unpack(meta, context, item)  # checks the header: the schedule held to the end
+            discarded += 1
+        self._next_post = step
+        return discarded

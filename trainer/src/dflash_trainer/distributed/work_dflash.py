@@ -30,6 +30,7 @@ from dflash_trainer.config import (
     validate,
 )
 from dflash_trainer.data.batch import Batch, collate
+from dflash_trainer.data.shards import DataError, ShardReader
 from dflash_trainer.distributed.topology import Role, Topology
 from dflash_trainer.distributed.transport import TargetBatch, WireFormat
 
@@ -70,6 +71,11 @@ class Setup:
     make_target: Callable[[list[int]], Any]  # layer_ids -> TargetModel
     rows: Callable[[int], Batch]  # item -> its rows (collated, on the host)
     num_rows: int | None  # training rows (None: endless random data)
+    stream: _ItemStream | None = None  # the shard reader behind `rows` (None: random data)
+
+    def data_state(self, item: int) -> dict[str, int] | None:
+        """The data position of `item` as ShardReader.state_dict (saved so a resume is checked and exact)."""
+        return None if self.stream is None else self.stream.reader.state_at(item * self.cfg.optim.batch)
 
     @property
     def wire(self) -> WireFormat:
@@ -84,26 +90,35 @@ def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def from_config(path: Path, device: torch.device) -> Setup:
-    from dflash_trainer.data.shards import ShardReader, list_shards, split_held_out
+    from dflash_trainer.data.shards import list_shards, split_held_out
     from dflash_trainer.model.target import load_target
 
     cfg = load_config(path)
     train_segments, _ = split_held_out(list_shards(cfg.data.shards), cfg.data.held_out)
     reader = ShardReader(train_segments, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window)
-    stream = _ItemStream(iter(reader), cfg.optim.batch, cfg.data.seq_len)
+    stream = _ItemStream(reader, cfg.optim.batch, cfg.data.seq_len)
     dtype = _dtype(cfg, device)
 
     def make_target(layer_ids: list[int]) -> Any:
         return load_target(cfg.model.target_path, device=device, dtype=dtype, layer_ids=layer_ids)
 
-    return Setup(cfg, dtype, make_target, stream.item, reader.num_rows)
+    return Setup(cfg, dtype, make_target, stream.item, reader.num_rows, stream)
 
 
 class _ItemStream:
     """Item i is rows [i*B, (i+1)*B) of the one global data order; a target skips the other targets' items."""
 
-    def __init__(self, rows: Iterator[Any], batch: int, seq_len: int) -> None:
-        self._rows, self.batch, self.seq_len, self.next_item = rows, batch, seq_len, 0
+    def __init__(self, reader: ShardReader, batch: int, seq_len: int) -> None:
+        self.reader, self.batch, self.seq_len, self.next_item = reader, batch, seq_len, 0
+        self._rows: Iterator[Any] = iter(reader)
+
+    def start_at(self, item: int, state: dict[str, int] | None) -> None:
+        """Continue from `item`, at the position a checkpoint saved (validated: same seed, same data)."""
+        expected = self.reader.state_at(item * self.batch)
+        self.reader.load_state_dict(state or expected)  # refuses another seed or changed data, by name
+        if self.reader.state_dict() != expected:
+            raise DataError(f"the checkpoint's data position {state} is not that of item {item} ({expected})")
+        self._rows, self.next_item = iter(self.reader), item
 
     def item(self, item: int) -> Batch:
         if item < self.next_item:
@@ -183,6 +198,10 @@ class TargetProducer:
         self.target = setup.make_target(setup.cfg.drafter.target_layer_ids)
         self._autocast = lambda: autocast(setup.cfg, device)
 
+    def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
+        if self.setup.stream is not None:
+            self.setup.stream.start_at(item, data_state)
+
     def load(self, item: int) -> Batch:
         return self.setup.rows(item).to(self.device)
 
@@ -249,15 +268,17 @@ class DrafterConsumer:
         self.trainer = DrafterTrainer(
             self.drafter, head.embed_tokens, head.lm_head, cfg, total_steps=total_steps
         )
-        self.trainer.generator.manual_seed(cfg.data.seed + 1 + index)  # different anchors per drafter
         self.ema = (
             CpuEma(self.drafter, decay=cfg.train.ema_decay, every=cfg.train.ema_every)
             if self.leader
             else None
         )
         self.last: Any = None
+        self.data_state = setup.data_state
 
     def step(self, step: int, item: int, batch: TargetBatch) -> str:
+        # Anchors from the item number: any drafter, any restart draws the same ones (exact resume).
+        self.trainer.generator.manual_seed(anchor_seed(self.cfg.data.seed, item))
         m = self.trainer.step(batch)  # type: ignore[arg-type]  # transport.TargetBatch, same fields
         if self.ema is not None:
             self.ema.update(self.drafter, m.step)
@@ -274,6 +295,7 @@ class DrafterConsumer:
             "trainer": self.trainer.state_dict(),
             # The data position of a pipeline run is the next item of the global schedule.
             "pipeline": {"next_item": next_step * self.num_drafters, "drafters": self.num_drafters},
+            "data": self.data_state(next_step * self.num_drafters) or {},
             "rng": rng_state(self.trainer.generator),
             "spec": self.spec.config_dict(),
             "config": self.cfg.to_dict(),
@@ -284,6 +306,27 @@ class DrafterConsumer:
         )
         log.info("saved %s", path)
         return path
+
+    def resume(self, path: Path) -> tuple[int, dict[str, int] | None]:
+        """Loads a pipeline checkpoint (every drafter: the DDP replicas must start equal); returns its next
+        item and data position."""
+        from dflash_trainer.checkpoint import load_checkpoint, set_rng_state
+
+        state, ema_state = load_checkpoint(path, ema=self.ema is not None)
+        saved = state.get("pipeline", {}).get("drafters")
+        if saved != self.num_drafters:
+            raise ValueError(
+                f"{path} was written by {saved} drafter rank(s), this run has {self.num_drafters}"
+            )
+        self.trainer.load_state_dict(state["trainer"])
+        set_rng_state(state["rng"], self.trainer.generator)
+        if self.ema is not None:
+            self.ema.load_state_dict(ema_state)
+        next_item = state["pipeline"]["next_item"]
+        if self.trainer.step_count * self.num_drafters != next_item:
+            raise ValueError(f"{path}: step {self.trainer.step_count} is not item {next_item}")
+        log.info("resumed from %s (step %d)", path, self.trainer.step_count)
+        return next_item, state.get("data") or None
 
     def finish(self, step: int) -> dict[str, Any]:
         if self.last is None:
@@ -297,6 +340,10 @@ class DrafterConsumer:
             "steps": step,
             "param_sum": float(params.sum()),
         }
+
+
+def anchor_seed(seed: int, item: int) -> int:
+    return (seed * 1_000_003 + item) % (1 << 63)
 
 
 def pipeline_horizon(cfg: TrainConfig, num_rows: int | None, num_drafters: int) -> int:
@@ -314,9 +361,39 @@ def build_dflash(args: Any, role: Role, device: torch.device, drafters: dist.Pro
         setup = from_bench(args.bench, device, args.steps or 20)
     else:
         setup = from_config(args.config, device)
-    steps = args.steps or pipeline_horizon(setup.cfg, setup.num_rows, topo.num_drafters)
+    horizon = args.steps or pipeline_horizon(setup.cfg, setup.num_rows, topo.num_drafters)
+    stop = min(horizon, args.max_steps or horizon)  # --max-steps stops early; the LR schedule keeps horizon
     if role is Role.TARGET:
-        return TargetProducer(setup, device), setup.wire, steps, 0
+        return TargetProducer(setup, device), setup.wire, stop, 0
     index = topo.index(dist.get_rank())
-    consumer = DrafterConsumer(setup, device, drafters, index, topo.num_drafters, steps, save=not args.bench)
-    return consumer, setup.wire, steps, 0
+    consumer = DrafterConsumer(
+        setup, device, drafters, index, topo.num_drafters, horizon, save=not args.bench
+    )
+    return consumer, setup.wire, stop, 0
+
+
+def agree_on_start(
+    work: TargetProducer | DrafterConsumer, topo: Topology, control: dist.ProcessGroup, rank: int
+) -> int:
+    """Resume: the drafter leader loads the newest checkpoint and tells every rank where it is (the checkpoint
+    directory must be visible to every drafter); the other drafters load the same one, targets move their
+    reader to its data position. Returns the step to continue from (0: no checkpoint)."""
+    from dflash_trainer.checkpoint import latest_checkpoint
+
+    leader = topo.drafter_ranks[0]
+    box: list[Any] = [None]
+    if rank == leader:
+        assert isinstance(work, DrafterConsumer)
+        path = latest_checkpoint(work.cfg.train.checkpoint_dir)
+        if path is not None:
+            box[0] = (str(path), *work.resume(path))
+    dist.broadcast_object_list(box, src=leader, group=control)
+    if box[0] is None:
+        return 0
+    path, next_item, data_state = box[0]
+    if isinstance(work, DrafterConsumer) and rank != leader:
+        work.resume(Path(path))
+    elif isinstance(work, TargetProducer):
+        work.start_at(next_item, data_state)
+        log.info("resuming at item %d (%s)", next_item, path)
+    return next_item // topo.num_drafters

@@ -5,6 +5,8 @@ READY=1 once the target, drafter, data and the newest checkpoint are loaded; STA
 and WATCHDOG=1 from the loop's own per-step hook, so a hung step or collective misses the ping; trackers
 behind SafeTracker; SIGTERM -> the loop saves a checkpoint at the end of the current step -> exit 0.
 Every start resumes from the newest checkpoint in train.checkpoint_dir (the loop does it).
+A topology of more than one rank runs this rank's pipeline role instead, with the same behaviour
+(service/pipeline.py); the first drafter rank is then the one that speaks to systemd.
 """
 
 from __future__ import annotations
@@ -134,51 +136,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     setup_logging()
-    # Rank 0 alone speaks to systemd: it waits on every other rank each step (the pipeline's collectives): a
-    # hang anywhere stops its WATCHDOG=1, and READY/STATUS come from one place.
-    notifier = Notifier() if rank() == 0 else Notifier({})
     stop = threading.Event()
     hooks_box: list[ServiceHooks] = []
+    voice = [Notifier({})]  # this rank's notifier, once the configuration says which rank speaks
 
     def on_signal(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
         if hooks_box and hooks_box[0].ready:
             if not stop.is_set():
                 log.info("%s: saving a checkpoint after this step, then exiting", name)
-                notifier.stopping(status=f"{name}: saving a checkpoint")
+                voice[0].stopping(status=f"{name}: saving a checkpoint")
             stop.set()
         else:  # nothing trained yet, nothing to save: leave at once instead of finishing a minute of loading
             log.info("%s before the first step: nothing to save, exiting", name)
-            notifier.stopping()
+            voice[0].stopping()
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
     from dflash_trainer.config import ConfigError, load_config
+    from dflash_trainer.service.pipeline import (
+        leader_rank,
+        named_ranks,
+        serve_pipeline,
+        wants_pipeline,
+        world_size,
+    )
 
-    notifier.status("loading configuration")
     try:
         cfg = load_config(args.config)
-    except ConfigError as e:
+        pipeline = wants_pipeline(cfg.topology, world_size())
+        speaker = leader_rank(cfg, world_size())
+    except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
+    if not pipeline and named_ranks(cfg.topology) > 1:
+        log.warning(
+            "[topology] names %d ranks but 1 was launched: running the single-process loop "
+            "(launch --nproc-per-node %d for the pipeline)",
+            named_ranks(cfg.topology),
+            named_ranks(cfg.topology),
+        )
+    # One rank speaks to systemd: rank 0 of a single-process run; of a pipeline the first drafter, which
+    # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
+    notifier = voice[0] = Notifier() if rank() == speaker else Notifier({})
 
     from dflash_trainer.service.trackers import start_trackers
     from dflash_trainer.train.loop import train
 
-    trackers = start_trackers(cfg) if rank() == 0 else []
+    trackers = start_trackers(cfg) if rank() == speaker else []
     hooks = ServiceHooks(cfg, notifier, stop, trackers, pause_at=args.pause_at)
     hooks_box.append(hooks)
     notifier.status("loading target, drafter, data and the newest checkpoint")
     code = 0
     try:
-        result = train(cfg, max_steps=args.max_steps, hooks=[hooks], stop=stop, **_ready_kwargs(train, hooks))
+        if pipeline:
+            serve_pipeline(args.config, cfg, hooks, stop, max_steps=args.max_steps)
+            step = hooks.last.step if hooks.last else None
+            how = "stopped" if stop.is_set() else "finished"
+            log.info("%s%s", how, f" at step {step}" if step is not None else "")
+        else:
+            kwargs = _ready_kwargs(train, hooks)
+            result = train(cfg, max_steps=args.max_steps, hooks=[hooks], stop=stop, **kwargs)
+            how, step = ("stopped" if result.stopped else "finished"), result.step
+            where = result.checkpoint or "no checkpoint (nothing trained)"
+            log.info("%s at step %d; checkpoint %s", how, result.step, where)
         faulthandler.cancel_dump_traceback_later()
-        how = "stopped" if result.stopped else "finished"
-        where = result.checkpoint or "no checkpoint (nothing trained)"
-        log.info("%s at step %d; checkpoint %s", how, result.step, where)
-        notifier.stopping(status=f"{how} at step {result.step}")
+        notifier.stopping(status=f"{how} at step {step}")
     except Exception as e:
         faulthandler.cancel_dump_traceback_later()
         log.critical("training failed: %s: %s", type(e).__name__, e, exc_info=True)
