@@ -57,3 +57,12 @@ def hostvars(request: pytest.FixtureRequest, inventory_hostname: str) -> dict[st
 def host(request: pytest.FixtureRequest, inventory_hostname: str, hostvars: dict[str, Any]):
     all_hostvars = _inventory(request.config)["_meta"]["hostvars"]
     return host_for(inventory_hostname, hostvars, all_hostvars)
+
+
+@pytest.fixture
+def gpus(hostvars: dict[str, Any]) -> list[int]:
+    """CT 200's GPUs from the inventory (ct_gpus); checks that need them skip, saying why, without."""
+    gpus = hostvars.get("ct_gpus") or []
+    if not gpus:
+        pytest.skip("no GPUs in the inventory (ct_gpus empty)")
+    return [int(g) for g in gpus]

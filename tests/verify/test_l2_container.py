@@ -8,8 +8,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import pytest
-
 GROUP = "training_cts"
 
 
@@ -65,14 +63,6 @@ def test_memlock_limit(host, hostvars: dict[str, Any]) -> None:
     want = plain(hostvars, "ct_memlock")
     if want is not None:
         assert soft == str(want), f"memlock is {soft}, inventory wants {want}"
-
-
-@pytest.fixture
-def gpus(hostvars: dict[str, Any]) -> list[int]:
-    gpus = hostvars.get("ct_gpus") or []
-    if not gpus:
-        pytest.skip("no GPUs in the inventory (ct_gpus empty)")
-    return [int(g) for g in gpus]
 
 
 def test_gpu_device_nodes_passed_through(host, gpus: list[int]) -> None:

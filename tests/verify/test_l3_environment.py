@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 GROUP = "training_cts"
 
 
@@ -61,14 +59,6 @@ def test_triton_cache_dir(host, hostvars: dict[str, Any]) -> None:
     assert env.exists and f"TRITON_CACHE_DIR={cache}" in env.content_string, (
         "TRITON_CACHE_DIR not in the environment file"
     )
-
-
-@pytest.fixture
-def gpus(hostvars: dict[str, Any]) -> list[int]:
-    gpus = hostvars.get("ct_gpus") or []
-    if not gpus:
-        pytest.skip("no GPUs in the inventory (ct_gpus empty)")
-    return [int(g) for g in gpus]
 
 
 def test_nvidia_userspace_matches_host_module(host, gpus: list[int]) -> None:
