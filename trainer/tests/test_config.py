@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_run import toml_text
 
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.data.synth import write_shard
@@ -21,10 +22,6 @@ TARGET = {
 }
 
 
-def _toml_value(v) -> str:
-    return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
-
-
 def write_config(tmp_path: Path, sections: dict[str, dict], target: dict | None = None) -> Path:
     """A config with a fake target (config.json only) and one shard; `sections` override keys."""
     (tmp_path / "target").mkdir(exist_ok=True)
@@ -38,12 +35,8 @@ def write_config(tmp_path: Path, sections: dict[str, dict], target: dict | None 
     }
     for name, table in sections.items():
         base.setdefault(name, {}).update(table)
-    text = "".join(
-        f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
-        for name, table in base.items()
-    )
     path = tmp_path / "train.toml"
-    path.write_text(text)
+    path.write_text(toml_text(base))
     return path
 
 

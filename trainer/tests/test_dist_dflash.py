@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
 from dflash_trainer.data.synth import synth_shards
@@ -22,32 +23,13 @@ def test_tiny_dflash_one_target_two_drafters(tiny_target, tmp_path: Path) -> Non
     shards = tmp_path / "shards"
     shards.mkdir()
     synth_shards(target, shards, num_shards=1, rows=16, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
-    config = tmp_path / "train.toml"
-    config.write_text(f"""
-[model]
-target_path = "{target}"
-[drafter]
-num_layers = 2
-block_size = 4
-gamma = 4.0
-mask_token_id = {TINY_MASK_TOKEN_ID}
-[data]
-shards = "{shards}"
-seq_len = 24
-max_anchors = 4
-held_out = 2
-[optim]
-batch = 2
-[train]
-max_steps = 4
-checkpoint_dir = "{tmp_path / "ckpt"}"
-checkpoint_every = 100
-eval_every = 0
-device = "cpu"
-[topology]
-targets = 1
-drafters = 2
-""")
+    config = tiny_run_config(
+        tmp_path / "train.toml",
+        target,
+        shards,
+        train={"max_steps": 4, "checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 100},
+        topology={"targets": 1, "drafters": 2},
+    )
     out = tmp_path / "metrics.json"
     spawn_local(
         [str(config), "--metrics-out", str(out)], 3, preload=["dflash_trainer.distributed.work_dflash"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
 from dflash_trainer.config import TrainConfig, load_config
@@ -27,38 +28,15 @@ def shards(tiny_target, tmp_path_factory) -> Path:
 
 
 def make_config(tmp_path: Path, target: Path, shards: Path, **train: object) -> TrainConfig:
-    keys = {
-        "max_steps": 20,
-        "checkpoint_every": 10,
-        "ema_every": 3,
-        "eval_every": 0,
-        "keep_last": 2,
-        "device": '"cpu"',
-    }
-    keys |= train
-    text = f"""
-[model]
-target_path = "{target}"
-[drafter]
-num_layers = 2
-block_size = 4
-gamma = 4.0
-mask_token_id = {TINY_MASK_TOKEN_ID}
-[data]
-shards = "{shards}"
-seq_len = 24
-max_anchors = 4
-held_out = 4
-shuffle_window = 5
-[optim]
-batch = 2
-lr = 3e-3
-[train]
-checkpoint_dir = "{tmp_path / "ckpt"}"
-""" + "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in keys.items())
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "train.toml"
-    path.write_text(text)
+    keys = {"max_steps": 20, "checkpoint_every": 10, "ema_every": 3, "keep_last": 2} | train
+    path = tiny_run_config(
+        tmp_path / "train.toml",
+        target,
+        shards,
+        data={"held_out": 4, "shuffle_window": 5},
+        optim={"lr": 3e-3},
+        train={"checkpoint_dir": tmp_path / "ckpt", **keys},
+    )
     return load_config(path)
 
 
@@ -81,7 +59,7 @@ def test_flag_combinations_train(tmp_path, tiny_target, shards, checkpointing, c
         max_steps=2,
         gradient_checkpointing=checkpointing,
         compile=compile_,
-        compile_backend='"aot_eager"',
+        compile_backend="aot_eager",
     )
     seen = []
     result = train(cfg, hooks=[seen.append], on_ready=lambda: seen.append("ready"))

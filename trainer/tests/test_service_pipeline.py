@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_trainer.data.synth import synth_shards
@@ -25,40 +26,18 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 
 
-def write_config(path: Path, target: Path, shards: Path, checkpoints: Path, trackers: str = "") -> Path:
-    path.write_text(f"""
-[model]
-target_path = "{target}"
-[drafter]
-num_layers = 2
-block_size = 4
-gamma = 4.0
-mask_token_id = {TINY_MASK_TOKEN_ID}
-[data]
-shards = "{shards}"
-seq_len = 24
-max_anchors = 4
-held_out = 2
-shuffle_window = 5
-[optim]
-batch = 2
-lr = 3e-3
-[train]
-max_steps = {STEPS}
-checkpoint_dir = "{checkpoints}"
-checkpoint_every = 100
-ema_every = 3
-eval_every = 0
-log_every = 5
-device = "cpu"
-[topology]
-targets = 1
-drafters = 1
-[service]
-status_every = 1
-{trackers}
-""")
-    return path
+def write_config(path: Path, target: Path, shards: Path, checkpoints: Path, **extra: dict) -> Path:
+    return tiny_run_config(
+        path,
+        target,
+        shards,
+        data={"shuffle_window": 5},
+        optim={"lr": 3e-3},
+        train={"max_steps": STEPS, "checkpoint_dir": checkpoints, "checkpoint_every": 100, "ema_every": 3},
+        topology={"targets": 1, "drafters": 1},
+        service={"status_every": 1},
+        **extra,
+    )
 
 
 def serve(config: Path, **env: str) -> subprocess.Popen:
@@ -82,8 +61,9 @@ def test_serve_pipeline_notifies_stops_and_resumes_exactly(tiny_target, tmp_path
     synth_shards(target, shards, num_shards=2, rows=12, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
     straight_cfg = write_config(tmp_path / "a.toml", target, shards, tmp_path / "a")
     board = tmp_path / "tensorboard"
-    trackers = f'[trackers]\ntensorboard = "{board}"'
-    stopped_cfg = write_config(tmp_path / "b.toml", target, shards, tmp_path / "b", trackers)
+    stopped_cfg = write_config(
+        tmp_path / "b.toml", target, shards, tmp_path / "b", trackers={"tensorboard": board}
+    )
     straight = serve(straight_cfg)  # runs while the stopped run below starts (two cores)
 
     # The stopped run, with a fake systemd notify socket.
