@@ -74,22 +74,24 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def check_model(ctx: Context) -> str:
+def _require_manifested_dir(path: Path, key: str, what: str) -> None:
+    """The directory exists and matches its manifest (sizes); else one failure naming the first problem."""
     from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
 
-    cfg = ctx.need_cfg()
-    path = cfg.model.target_path
     if not path.is_dir():
-        raise Failed(f"model.target_path {path}: no such directory", PROVISION_L4)
+        raise Failed(f"{key} {path}: no such directory", PROVISION_L4)
     problems = check_manifest(path)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        fix = (
-            PROVISION_L4
-            if (path / MANIFEST_NAME).exists()
-            else f"write {path / MANIFEST_NAME}: {PROVISION_L4}"
-        )
-        raise Failed(f"model {path}: {problems[0]}{more}", fix)
+        manifest = path / MANIFEST_NAME
+        fix = PROVISION_L4 if manifest.exists() else f"write {manifest}: {PROVISION_L4}"
+        raise Failed(f"{what} {path}: {problems[0]}{more}", fix)
+
+
+def check_model(ctx: Context) -> str:
+    cfg = ctx.need_cfg()
+    path = cfg.model.target_path
+    _require_manifested_dir(path, "model.target_path", "model")
     try:
         info = read_target_info(path)
         validate(cfg, target=info)
@@ -111,21 +113,10 @@ def check_shards(ctx: Context) -> str:
     import pyarrow as pa
 
     from dflash_trainer.data.shards import DataError, list_shards
-    from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
 
     cfg = ctx.need_cfg()
     path = cfg.data.shards
-    if not path.is_dir():
-        raise Failed(f"data.shards {path}: no such directory", PROVISION_L4)
-    problems = check_manifest(path)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        fix = (
-            PROVISION_L4
-            if (path / MANIFEST_NAME).exists()
-            else f"write {path / MANIFEST_NAME}: {PROVISION_L4}"
-        )
-        raise Failed(f"shards {path}: {problems[0]}{more}", fix)
+    _require_manifested_dir(path, "data.shards", "shards")
     try:
         shards = list_shards(path)
     except DataError as e:
