@@ -57,8 +57,16 @@ def snapshot() -> str:
     return attach("sh", "-c", SNAPSHOT).stdout
 
 
-@pytest.fixture
-def lab_host():
+@pytest.fixture(scope="session")
+def layer_l0() -> None:
+    """L1's refusals are about L1: the host first gets L0 (the pinned kernel's headers). A no-op when a
+    provision or the host-layers scenario applied it already: no test depends on the order of the suites."""
     if not lab_host_up():
         pytest.skip(f"{HOST} is not running: `make lab` builds it")
+    proc = playbook("ansible/l0_host.yml")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+@pytest.fixture
+def lab_host(layer_l0: None):
     return HOST
