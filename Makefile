@@ -20,7 +20,7 @@ help: ## list the entry points
 	@echo "  INVENTORY=$(INVENTORY) (default inventory/lab)"
 
 .PHONY: bootstrap
-bootstrap: ## install Debian packages and the pinned venv (.venv); seconds when nothing changed
+bootstrap: ## install Debian packages and the two pinned venvs (.venv, .venv-trainer); seconds when nothing changed
 	@scripts/bootstrap.sh
 
 .PHONY: lint
