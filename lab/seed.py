@@ -22,7 +22,9 @@ def aws_env(settings: LabSettings) -> dict[str, str]:
     """awscli reads the lab's keys from a root-only credentials file, never from its command line."""
     creds = settings.secrets_dir / "aws-credentials"
     key_id, key = secret(settings, "s3_access_key_id"), secret(settings, "s3_secret_access_key")
-    write_secret(creds, f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {key}\n")
+    content = f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {key}\n"
+    if not creds.exists() or creds.read_text() != content:  # written once, not before every aws call
+        write_secret(creds, content)
     return {
         **os.environ,
         "AWS_SHARED_CREDENTIALS_FILE": str(creds),
