@@ -17,7 +17,8 @@ MIRROR=${IMAGE_MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${IMAGE_SECURITY_MIRROR:-http://security.debian.org/debian-security}
 OUT_DIR=${IMAGE_OUT_DIR:-$REPO/build/image}
 CACHE=${IMAGE_CACHE:-/var/cache/dflash-image}
-LOCK=${IMAGE_LOCK:-$REPO/trainer/requirements.lock}
+LOCK_OVERRIDE=${IMAGE_LOCK:-}  # the variant's lock otherwise: requirements.lock (cpu), requirements-cuda.lock
+LOCK=""
 PACKAGES_IN=${IMAGE_PACKAGES_IN:-$REPO/image/packages.in}
 PINS=${IMAGE_PINS:-$REPO/image/packages.txt}
 CONSTRAINTS=$REPO/image/constraints.txt
@@ -52,7 +53,7 @@ commit() { echo "$COMMIT"; }
 # The inputs that end up in the image; a change not committed yet marks the version (".dirty").
 dirty() {
   [ -n "$(git -C "$REPO" status --porcelain -- image trainer/pyproject.toml trainer/requirements.lock \
-          trainer/src ':(glob)roles/*/files/**' 2>/dev/null)" ]
+          trainer/requirements-cuda.lock trainer/src ':(glob)roles/*/files/**' 2>/dev/null)" ]
 }
 
 image_version() { local v; v="$(trainer_version)-g$(commit)"; if dirty; then v="$v.dirty"; fi; echo "$v"; }
@@ -254,6 +255,13 @@ preflight() {
   flock -n 9 || die "another image build holds $CACHE/.build.lock; wait for it"
 }
 
+variant_lock() {  # the lock a variant installs: the CUDA libraries of torch's CUDA build are pinned apart
+  case $1 in
+    cpu) echo "${LOCK_OVERRIDE:-$REPO/trainer/requirements.lock}" ;;
+    cuda) echo "${LOCK_OVERRIDE:-$REPO/trainer/requirements-cuda.lock}" ;;
+  esac
+}
+
 build() {
   local min_free
   case $VARIANT in
@@ -261,6 +269,7 @@ build() {
     cuda) min_free=${IMAGE_MIN_FREE_GB:-30} ;;
     *) die "unknown variant '$VARIANT' (cpu or cuda)" ;;
   esac
+  LOCK=$(variant_lock "$VARIANT")
   preflight
   [ -s "$PINS" ] || die "no pins at $PINS: run 'image/build.sh --refresh-pins' first"
   check_space "$min_free"
@@ -285,6 +294,7 @@ build() {
 
 refresh_pins() {
   VARIANT=pins
+  LOCK=$(variant_lock cpu)
   preflight
   check_space 4
   LOG=$OUT_DIR/pins.log
