@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from lab import containers, seed, services
+from lab import containers, image, seed, services
 from lab.errors import LabError
 from lab.settings import REPO, LabSettings, load_settings
 
@@ -15,7 +15,12 @@ from lab.settings import REPO, LabSettings, load_settings
 def up(settings: LabSettings) -> bool:
     changed = False
     for spec in settings.containers:
-        part = containers.ensure_container(spec, settings)
+        # CT 200's stand-in runs the CT image, as on a host; the host's stand-in a plain Debian minbase.
+        if spec.role == "ct":
+            make_rootfs = image.image_rootfs(settings)
+        else:
+            make_rootfs = containers.minbase_rootfs(settings)
+        part = containers.ensure_container(spec, settings, make_rootfs)
         print(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}", flush=True)
         changed |= part
     for daemon in services.daemons(settings):
@@ -53,6 +58,15 @@ def status(settings: LabSettings) -> bool:
     for spec in settings.containers:
         systemd = containers.systemd_state(spec.name)
         rows.append((f"container {spec.name}", systemd == "running", f"systemd {systemd}"))
+        if spec.role == "ct":
+            made_from = image.read_record(image.ct_record_path(settings, spec.name))
+            rows.append(
+                (
+                    f"image of {spec.name}",
+                    made_from is not None,
+                    made_from.name if made_from else "no record of the image it was made from",
+                )
+            )
     daemons = services.daemons(settings)
     for daemon in daemons:
         rows.append((daemon.name, services.answering(daemon), daemon.url))

@@ -1,8 +1,9 @@
 """Real LXC system containers (Debian, systemd as PID 1) standing in for CT 200 and the Proxmox host OS.
 
-Each container is built from a cached minbase root filesystem, configured as Proxmox configures a CT
-(host network here), and marked complete only once it booted: anything unmarked is a half-built
-container from an interrupted run, and is rebuilt rather than trusted.
+Each container is built from a root filesystem (the host's stand-in from a cached minbase tarball, CT 200's
+from the CT image: lab/image.py), configured as Proxmox configures a CT (host network here), and marked
+complete only once it booted: anything unmarked is a half-built container from an interrupted run, and is
+rebuilt rather than trusted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import resource
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lab.errors import LabError
@@ -32,6 +34,8 @@ BASE_PACKAGES = [
     "less",
 ]
 BOOT_TIMEOUT_S = 90
+# Fills a root filesystem directory that does not exist yet: (rootfs, hostname).
+RootfsMaker = Callable[[Path, str], None]
 
 
 def run(
@@ -66,6 +70,21 @@ def base_rootfs(settings: LabSettings) -> Path:
     )
     partial.rename(tar)
     return tar
+
+
+def minbase_rootfs(settings: LabSettings) -> RootfsMaker:
+    """The host's stand-in: the cached minbase tarball, unpacked under a temporary name and renamed."""
+
+    def make(rootfs: Path, hostname: str) -> None:
+        tar = base_rootfs(settings)
+        partial = rootfs.with_name(rootfs.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        run(["tar", "-xf", str(tar), "-C", str(partial)], timeout=300)
+        (partial / "etc" / "hostname").write_text(hostname + "\n")
+        partial.rename(rootfs)
+
+    return make
 
 
 def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
@@ -122,15 +141,17 @@ def _marker(name: str) -> Path:
     return LXC_ROOT / name / "lab-complete"
 
 
-def _destroy(name: str) -> None:
+def remove(name: str) -> None:
+    """Stops container NAME and removes its directory."""
     if state(name) == "RUNNING":
         run(["lxc-stop", "-n", name, "-k"], check=False, timeout=60)
-    shutil.rmtree(LXC_ROOT / name, ignore_errors=True)
+    if (LXC_ROOT / name).exists():  # never across into a mount left inside (a bind-mounted wheel dir)
+        run(["rm", "-rf", "--one-file-system", str(LXC_ROOT / name)], timeout=300)
 
 
-def _wait_booted(name: str) -> None:
+def wait_booted(name: str, timeout_s: float = BOOT_TIMEOUT_S) -> None:
     """Polls until systemd reports a finished boot; early attaches fail or find no bus: not an error."""
-    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     status = ""
     while time.monotonic() < deadline:
         status = attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
@@ -140,13 +161,13 @@ def _wait_booted(name: str) -> None:
     if status != "running":
         failed = attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
         raise LabError(
-            f"container {name}: systemd is {status or 'not answering'} after {BOOT_TIMEOUT_S} s; "
+            f"container {name}: systemd is {status or 'not answering'} after {timeout_s:.0f} s; "
             f"failed units: {failed or 'none'}"
         )
 
 
-def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:
-    """Builds, repairs, reconfigures and starts one container; returns True when anything changed."""
+def ensure_container(spec: ContainerSpec, settings: LabSettings, make_rootfs: RootfsMaker) -> bool:
+    """Builds (with make_rootfs), repairs, reconfigures and starts one container; True if anything changed."""
     changed = False
     directory = LXC_ROOT / spec.name
     marker = _marker(spec.name)
@@ -155,14 +176,10 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:
 
     if directory.exists() and not marker.exists():
         print(f"lab: {spec.name} is half-built (no completion marker); rebuilding it", flush=True)
-        _destroy(spec.name)
+        remove(spec.name)
     if not directory.exists():
-        tar = base_rootfs(settings)
-        partial = directory / "rootfs.partial"
-        partial.mkdir(parents=True)
-        run(["tar", "-xf", str(tar), "-C", str(partial)], timeout=300)
-        (partial / "etc" / "hostname").write_text(spec.name + "\n")
-        partial.rename(directory / "rootfs")
+        directory.mkdir(parents=True)
+        make_rootfs(directory / "rootfs", spec.name)
         changed = True
 
     config_path = directory / "config"
@@ -177,7 +194,7 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:
         log = settings.log_dir / f"{spec.name}.lxc.log"
         run(["lxc-start", "-n", spec.name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)
         changed = True
-    _wait_booted(spec.name)
+    wait_booted(spec.name)
     marker.write_text(digest + "\n")
     return changed
 
@@ -185,5 +202,5 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings) -> bool:
 def destroy_container(name: str) -> bool:
     if not (LXC_ROOT / name).exists():
         return False
-    _destroy(name)
+    remove(name)
     return True

@@ -1,55 +1,114 @@
 """The CT image in the lab: CT 200's stand-in runs the root filesystem a Proxmox host creates CT 200 from.
 
-`image/build.sh cpu` (`make image VARIANT=cpu`) writes build/image/cpu.json beside the archive; this module
-finds that archive, unpacks it as Proxmox does for a template, and boots throwaway containers from it
-(tests/image). Without a built image the lab keeps its minbase root filesystem (lab/containers.py).
+`image/build.sh cpu` (`make image VARIANT=cpu`) writes build/image/cpu.json, the build record, beside the
+archive. `make lab` creates lab-ct200 from the latest finished cpu build whose lock and Debian pins are the
+tree's (building one when there is none), keeps a link to that archive and a copy of its record under lab_dir
+(the L2 role uploads exactly that archive: `ct_image_record`), and unpacks it as Proxmox does for a template.
+tests/image boots throwaway containers from the same archive.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
-import time
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# `from lab import containers`, used at call time: lab/containers.py may import this module in turn.
 from lab import containers
 from lab.errors import LabError
-from lab.settings import REPO
+from lab.settings import REPO, LabSettings
 
 BUILD_DIR = REPO / "build" / "image"
-BOOT_TIMEOUT_S = 120
+BUILD_SCRIPT = REPO / "image" / "build.sh"
+BUILD_TIMEOUT_S = 3600
+# The tree's files that decide the image's environment; a build made from others is not the tree's image.
+INPUTS = {
+    "lock_sha256": REPO / "trainer" / "requirements.lock",
+    "packages_txt_sha256": REPO / "image" / "packages.txt",
+}
+
+# What image/build.sh's publish step writes and the readers (this module, the L2 role) rely on.
+RECORD_KEYS = ["path", "name", "volid", "sha256", "size_bytes", "manifest"]
 
 
 @dataclass(frozen=True)
 class BuiltImage:
-    path: Path  # the .tar.zst
-    name: str  # its file name, e.g. debian-12-dflash-cpu_0.1.0-g1234567_amd64.tar.zst
-    volid: str  # where the L2 role uploads it, e.g. local:vztmpl/NAME
-    sha256: str
-    manifest: dict  # /etc/dflash/image.json of the image
+    record: dict  # the build record (build/image/VARIANT.json): path, name, volid, sha256, sizes, manifest
 
     @property
-    def image_id(self) -> str:
-        """Changes whenever the archive does: a container built from another image is rebuilt."""
-        return f"{self.name}@{self.sha256[:16]}"
+    def path(self) -> Path:  # the .tar.zst
+        return Path(self.record["path"])
+
+    @property
+    def name(self) -> str:  # its file name, e.g. debian-12-dflash-cpu_0.1.0-g1234567_amd64.tar.zst
+        return self.record["name"]
+
+    @property
+    def volid(self) -> str:  # where `make image` says to upload it, e.g. local:vztmpl/NAME
+        return self.record["volid"]
+
+    @property
+    def sha256(self) -> str:
+        return self.record["sha256"]
+
+    @property
+    def manifest(self) -> dict:  # /etc/dflash/image.json of the image
+        return self.record["manifest"]
+
+    def stale_inputs(self) -> list[str]:
+        """The tree's inputs this image was not built from (empty: it is the tree's image)."""
+        return [
+            f"{path.relative_to(REPO)}"
+            for key, path in INPUTS.items()
+            if self.manifest.get(key) != hashlib.sha256(path.read_bytes()).hexdigest()
+        ]
+
+
+def read_record(path: Path) -> BuiltImage | None:
+    """The build record at PATH, or None when there is none or its archive is gone."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as err:
+        raise LabError(f"{path} is not an image build record ({err}); run `make image`") from err
+    missing = [key for key in RECORD_KEYS if key not in record] if isinstance(record, dict) else RECORD_KEYS
+    if missing:
+        raise LabError(f"{path} is not an image build record (no {', '.join(missing)}); run `make image`")
+    image = BuiltImage(record)
+    return image if image.path.is_file() else None
 
 
 def built_image(variant: str = "cpu", build_dir: Path = BUILD_DIR) -> BuiltImage | None:
     """The latest finished build of VARIANT, or None. A build that failed or is still running left no
     VARIANT.json (it is written last, by rename), so a half-written archive is never picked up."""
-    info_path = build_dir / f"{variant}.json"
-    if not info_path.is_file():
-        return None
-    try:
-        info = json.loads(info_path.read_text())
-        image = BuiltImage(Path(info["path"]), info["name"], info["volid"], info["sha256"], info["manifest"])
-    except (ValueError, KeyError) as err:
-        raise LabError(f"{info_path} is not an image build record ({err}); run `make image`") from err
-    if not image.path.is_file():
-        return None
-    return image
+    return read_record(build_dir / f"{variant}.json")
+
+
+def ensure_image(variant: str = "cpu") -> BuiltImage:
+    """The latest finished build of VARIANT when it is the tree's image; otherwise builds one (minutes)."""
+    found = built_image(variant)
+    if found is not None and not found.stale_inputs():
+        return found
+    why = "none is built" if found is None else f"{found.name} predates {', '.join(found.stale_inputs())}"
+    print(
+        f"lab: building the {variant} CT image ({why}): image/build.sh {variant}, minutes; "
+        f"log {BUILD_DIR / (variant + '.log')}",
+        flush=True,
+    )
+    try:  # its phase lines go to the console as they come; the details to its log
+        proc = subprocess.run([str(BUILD_SCRIPT), variant], timeout=BUILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise LabError(f"image/build.sh {variant} ran past {BUILD_TIMEOUT_S} s") from err
+    if proc.returncode != 0:
+        raise LabError(f"image/build.sh {variant} failed (exit {proc.returncode}); the cause is printed above")
+    found = built_image(variant)
+    if found is None or found.stale_inputs():
+        raise LabError(f"image/build.sh {variant} succeeded, but {BUILD_DIR / variant}.json is not the tree's")
+    return found
 
 
 def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
@@ -59,7 +118,8 @@ def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
     if rootfs.exists():
         raise LabError(f"{rootfs} exists already; remove it first")
     partial = rootfs.with_name(rootfs.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists():
+        containers.run(["rm", "-rf", "--one-file-system", str(partial)], timeout=300)
     partial.mkdir(parents=True)
     containers.run(
         [
@@ -81,6 +141,44 @@ def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
     resolv.unlink(missing_ok=True)
     shutil.copyfile("/etc/resolv.conf", resolv)
     partial.rename(rootfs)
+
+
+def ct_record_path(settings: LabSettings, name: str) -> Path:
+    """Where the lab keeps the record of the image container NAME was made from (the inventory's
+    ct_image_record points here)."""
+    return settings.lab_dir / "images" / f"{name}.json"
+
+
+def keep_for_lab(image: BuiltImage, record_path: Path) -> BuiltImage:
+    """A link (a copy across file systems) to the archive beside RECORD_PATH and a record pointing at it:
+    what the container was made from stays there when build/image moves on, and goes with lab-down."""
+    folder = record_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / image.name
+    if not kept.exists():
+        partial = folder / f".{image.name}.partial"
+        partial.unlink(missing_ok=True)
+        try:
+            os.link(image.path, partial)
+        except OSError:
+            shutil.copyfile(image.path, partial)
+        partial.rename(kept)
+    record = {**image.record, "path": str(kept)}
+    tmp = record_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.rename(record_path)
+    return BuiltImage(record)
+
+
+def image_rootfs(settings: LabSettings) -> containers.RootfsMaker:
+    """CT 200's stand-in: the tree's cpu image (built when missing), kept under lab_dir, then unpacked."""
+
+    def make(rootfs: Path, hostname: str) -> None:
+        kept = keep_for_lab(ensure_image("cpu"), ct_record_path(settings, hostname))
+        print(f"lab: {hostname} from {kept.name}", flush=True)
+        rootfs_from_image(kept.path, rootfs, hostname)
+
+    return make
 
 
 def throwaway_config(name: str) -> str:
@@ -112,32 +210,11 @@ def boot_from_image(name: str, archive: Path, log: Path) -> None:
     (directory / "config").write_text(throwaway_config(name))
     log.parent.mkdir(parents=True, exist_ok=True)
     containers.run(["lxc-start", "-n", name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)
-    wait_booted(name)
-
-
-def wait_booted(name: str, timeout_s: float = BOOT_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    status = ""
-    time.sleep(1)  # the first attach right after lxc-start finds no bus
-    while time.monotonic() < deadline:
-        status = containers.attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
-        if status in ("running", "degraded", "maintenance"):
-            break
-        time.sleep(0.5)
-    if status != "running":
-        failed = containers.attach(name, "systemctl", "--failed", "--no-legend", "--plain").stdout.strip()
-        raise LabError(
-            f"container {name}: systemd is {status or 'not answering'} after {timeout_s:.0f} s; "
-            f"failed units: {failed or 'none'}"
-        )
+    containers.wait_booted(name, timeout_s=120)
 
 
 def destroy(name: str) -> None:
     """Stops and removes container NAME (only ever one this module made: lab- names are refused)."""
     if name.startswith("lab-"):
         raise LabError(f"{name}: refusing to destroy a container of `make lab`")
-    if containers.state(name) == "RUNNING":
-        containers.run(["lxc-stop", "-n", name, "-k"], check=False, timeout=60)
-    directory = containers.LXC_ROOT / name
-    if directory.exists():
-        containers.run(["rm", "-rf", "--one-file-system", str(directory)], timeout=300)
+    containers.remove(name)

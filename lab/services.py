@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.errors import LabError
-from lab.settings import LabSettings
+from lab.settings import REPO, LabSettings
 
 START_TIMEOUT_S = 30
 
@@ -35,6 +35,7 @@ class Daemon:
     port: int
     url: str
     port_key: str  # the inventory variable that moves it
+    signature: str  # an argument of its command line that tells our process from another one on the port
     # Called just before a start: writes what the daemon reads and returns its extra environment.
     prepare: Callable[[], dict[str, str]] = field(default=dict)
 
@@ -65,13 +66,19 @@ def fakepve(settings: LabSettings) -> Daemon:
         state.parent.mkdir(parents=True, exist_ok=True)
         state.write_text(json.dumps({"guests": []}) + "\n")  # fakepve keeps its state in memory only
         # The password travels in the environment, never on a command line (ps shows those).
-        return {"PVE_USER": "root@pam", "PVE_PASS": secret(settings, "pve_password")}
+        return {
+            "PVE_USER": "root@pam",
+            "PVE_PASS": secret(settings, "pve_password"),
+            "PYTHONPATH": str(REPO),
+        }
 
-    bindir = Path(sys.executable).parent
     return Daemon(
         name="fakepve",
+        # lab/fakepve_daemon.py: fakepve with uploads the size of the CT image allowed.
         argv=[
-            str(bindir / "fakepve"),
+            sys.executable,
+            "-m",
+            "lab.fakepve_daemon",
             str(state),
             "--host",
             settings.fakepve_host,
@@ -84,6 +91,7 @@ def fakepve(settings: LabSettings) -> Daemon:
         port=settings.fakepve_port,
         url=f"https://{settings.fakepve_host}:{settings.fakepve_port}/api2/json/version",
         port_key="lab_fakepve_port",
+        signature="lab.fakepve_daemon",
         prepare=prepare,
     )
 
@@ -97,6 +105,7 @@ def s3(settings: LabSettings) -> Daemon:
         port=settings.s3_port,
         url=f"http://{settings.s3_host}:{settings.s3_port}/",
         port_key="lab_s3_port",
+        signature="moto_server",
     )
 
 
@@ -114,7 +123,7 @@ def _our_pid(settings: LabSettings, d: Daemon) -> int | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (FileNotFoundError, ValueError, ProcessLookupError):
         return None
-    return pid if any(arg.endswith(Path(d.argv[0]).name.encode()) for arg in cmdline) else None
+    return pid if any(arg.endswith(d.signature.encode()) for arg in cmdline) else None
 
 
 def answering(d: Daemon) -> bool:

@@ -2,9 +2,9 @@
 """Writes trainer/requirements-cuda.lock: the trainer lock plus the CUDA libraries its torch pin pulls in on a
 GPU host (torch's CUDA build from PyPI requires cuda-toolkit, cuda-bindings and the nvidia-* wheels).
 
-The CPU build of torch that the lab and CI install has none of these requirements, so `pip freeze` there cannot
-see them; this resolves the lock against PyPI alone (`pip --isolated`: no local find-links, no constraint file),
-reading wheel metadata only: nothing is installed. It runs on Linux x86_64 with Python 3.11, the CT image's
+The CPU build of torch that the lab and CI install has none of these requirements, so `pip freeze` there
+cannot see them; this resolves the lock against PyPI alone (`pip --isolated`: no local find-links, no
+constraint file), reading wheel metadata only: nothing is installed. It runs on Linux x86_64 with Python 3.11, the CT image's
 platform (Debian 12's python3), so the resolver picks exactly the wheels the image installs.
 Every pin of the trainer lock is kept as it is; the resolver may only add packages.
 
@@ -72,7 +72,8 @@ def resolve(lock: Path, constraints: Path) -> dict[str, tuple[str, str]]:
         if proc.returncode != 0:
             raise SystemExit(f"cuda_lock: {lock} does not resolve on PyPI for CUDA:\n{proc.stderr.strip()}")
         installs = json.loads(report.read_text())["install"]
-    return {canonical(i["metadata"]["name"]): (i["metadata"]["name"], i["metadata"]["version"]) for i in installs}
+    metadata = [i["metadata"] for i in installs]
+    return {canonical(m["name"]): (m["name"], m["version"]) for m in metadata}
 
 
 def main(argv: list[str]) -> int:
@@ -85,13 +86,15 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"cuda_lock: resolves for the CT image's platform {PLATFORM}; this is {here}")
     base = pins(lock)
     resolved = resolve(lock, constraints)
-    moved = {n: (v, resolved.get(n, ("", "missing"))[1]) for n, v in base.items() if resolved.get(n, ("", ""))[1] != v}
+    got = {n: version for n, (_, version) in resolved.items()}
+    moved = {n: (v, got.get(n, "missing")) for n, v in base.items() if got.get(n) != v}
     if moved:
         raise SystemExit(f"cuda_lock: the CUDA resolution moved pins of {lock}: {moved}")
     # setuptools is the constraint file's (pip freeze of the lock leaves it out); keep the lock's own set.
     skip = set(pins(constraints)) - set(base)
     kept = [pair for n, pair in resolved.items() if n not in skip]
-    lines = [f"{name}=={version}" for name, version in sorted(kept, key=lambda p: p[0].lower())]  # as pip freeze
+    kept.sort(key=lambda pair: pair[0].lower())  # pip freeze's order
+    lines = [f"{name}=={version}" for name, version in kept]
     partial = out.with_name(out.name + ".partial")
     partial.write_text(HEADER + "\n".join(lines) + "\n")
     partial.rename(out)

@@ -95,7 +95,6 @@ def lab(tmp_path: Path, pve) -> dict[str, Any]:
         "ct_pve_conf_dir": str(tmp_path / "pve" / "lxc"),
         "ct_pve_conf_create": True,
         "ct_template_src": str(template),
-        "ct_template_build_from": "",
         "ct_wait_for_boot": False,
         "ct_memory_mb": 4096,
         "ct_shm_size_mb": 512,

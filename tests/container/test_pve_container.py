@@ -6,6 +6,7 @@ an unreachable API and an offline node, and device entries correct and unduplica
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -43,6 +44,55 @@ def test_create_then_rerun_changes_nothing(pve, play, lab) -> None:
     second = play()
     assert second.rc == 0, second.error()
     assert second.changed == 0, f"second run changed {second.changed} things"
+
+
+def image_record(tmp_path: Path, variant: str, **changes) -> Path:
+    """A build record as image/build.sh writes it (build/image/VARIANT.json), for a tiny stand-in archive."""
+    archive = tmp_path / f"debian-12-dflash-{variant}_0.1.0-gtest_amd64.tar.zst"
+    archive.write_bytes(b"(\xb5/\xfd\x00\x00\x01\x00\x00")  # fakepve never unpacks it
+    record = {
+        "path": str(archive),
+        "name": archive.name,
+        "volid": f"local:vztmpl/{archive.name}",
+        "sha256": "0" * 64,
+        "size_bytes": archive.stat().st_size,
+        "manifest": {"variant": variant},
+    } | changes
+    path = tmp_path / f"{variant}.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_the_image_record_names_the_template_uploaded_and_used(pve, play, tmp_path: Path) -> None:
+    record = image_record(tmp_path, "cuda")
+    run = play(ct_template_src="", ct_variant="cuda", ct_image_record=str(record))
+    assert run.rc == 0, run.error()
+    name = json.loads(record.read_text())["name"]
+    assert f"vztmpl/{name}" in pve.storages["local"]["volumes"], "the record's archive was not uploaded"
+    created = [body for method, path, body in pve.requests if method == "POST" and path.endswith("/lxc")]
+    assert created and f"vztmpl%2F{name}".encode() in created[0], "the CT was not created from that template"
+
+
+def test_missing_image_record_names_it_and_the_build(pve, play, tmp_path: Path) -> None:
+    run = play(ct_template_src="", ct_image_record=str(tmp_path / "cuda.json"))
+    assert run.rc != 0
+    assert f"ct_image_record {tmp_path / 'cuda.json'} does not exist" in run.error()
+    assert "make image VARIANT=cuda" in run.error()
+    assert not [r for r in pve.requests if "/storage" in r[1] or "/lxc" in r[1]], "the API was used"
+
+
+def test_image_record_of_another_variant_or_a_changed_archive_refused(pve, play, tmp_path: Path) -> None:
+    cpu = play(ct_template_src="", ct_variant="cuda", ct_image_record=str(image_record(tmp_path, "cpu")))
+    assert cpu.rc != 0 and "does not describe a finished cuda image: variant cpu" in cpu.error()
+    short = image_record(tmp_path, "cuda", size_bytes=10**9)
+    changed = play(ct_template_src="", ct_variant="cuda", ct_image_record=str(short))
+    assert changed.rc != 0 and "the record says 1000000000" in changed.error()
+
+
+def test_cpu_variant_with_gpus_refused(pve, play) -> None:
+    run = play(ct_variant="cpu")
+    assert run.rc != 0
+    assert "cuda when ct_gpus is set" in run.error()
 
 
 def test_memory_change_applies_in_place(pve, play) -> None:

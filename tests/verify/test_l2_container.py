@@ -5,6 +5,7 @@ Runs against any inventory (`make verify INVENTORY=...`); device checks are skip
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -83,3 +84,14 @@ def test_no_unexpected_gpu_nodes(host, gpus: list[int]) -> None:
     present = host.run("ls /dev | grep -E '^nvidia[0-9]+$' || true").stdout.split()
     extra = sorted(set(present) - {f"nvidia{g}" for g in gpus})
     assert not extra, f"GPU nodes not in ct_gpus are visible in the CT: {extra}"
+
+
+def test_created_from_the_ct_image_of_its_variant(host, hostvars: dict[str, Any]) -> None:
+    """CT 200's root filesystem is the CT image (make image), of the variant the inventory asks for."""
+    manifest = host.file("/etc/dflash/image.json")
+    assert manifest.exists, "/etc/dflash/image.json is missing: the CT was not created from the CT image"
+    built = json.loads(manifest.content_string)
+    want = plain(hostvars, "ct_variant") or "cuda"
+    assert built.get("variant") == want, (
+        f"the CT runs the {built.get('variant')} image, inventory wants {want}"
+    )

@@ -5,7 +5,11 @@ Runs against any inventory (`make verify INVENTORY=...`); GPU checks are skipped
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any
+
+from tests.verify.conftest import REPO
 
 GROUP = "training_cts"
 
@@ -31,13 +35,35 @@ def test_gcc_and_python_headers(host) -> None:
     )
 
 
+def variant_lock(hostvars: dict[str, Any]) -> str:
+    """The lock of the CT's variant, as roles/ct_environment picks it (ct_variant; cuda by default)."""
+    variant = var(hostvars, "ct_variant", "cuda")
+    return f"trainer/requirements{'-cuda' if variant == 'cuda' else ''}.lock"
+
+
+def pins(text: str) -> dict[str, str]:
+    """Normalised name -> version of `name==version` lines, local versions (+cpu) dropped."""
+    found = {}
+    for line in text.splitlines():
+        name, sep, version = line.split("#", 1)[0].strip().partition("==")
+        if sep:
+            found[re.sub(r"[-_.]+", "-", name).lower()] = version.split("+", 1)[0]
+    return found
+
+
 def test_venv_is_the_lock(host, hostvars: dict[str, Any]) -> None:
-    v = venv(hostvars)
+    v, lock_path = venv(hostvars), variant_lock(hostvars)
+    lock = (REPO / lock_path).read_bytes()
     stamp = host.file(f"{v}/.dflash-lock.sha256")
     assert stamp.exists, f"{v} has no lock stamp: the install did not finish"
-    freeze = host.run(f"{v}/bin/python -m pip freeze --disable-pip-version-check").stdout.lower()
-    for pin in ("torch==2.13.0", "transformers==", "triton==", "flash-linear-attention=="):
-        assert pin in freeze, f"{pin} is not installed in {v}"
+    assert stamp.content_string.strip() == hashlib.sha256(lock).hexdigest(), (
+        f"{v} was built from another lock than {lock_path}"
+    )
+    freeze = pins(host.check_output(f"{v}/bin/python -m pip freeze --disable-pip-version-check"))
+    freeze.pop("dflash-trainer", None)
+    want = pins(lock.decode())
+    wrong = {n: (want.get(n), freeze.get(n)) for n in set(want) | set(freeze) if want.get(n) != freeze.get(n)}
+    assert not wrong, f"{v} differs from {lock_path} (name: (lock, installed)): {dict(sorted(wrong.items()))}"
 
 
 def test_environment_imports(host, hostvars: dict[str, Any]) -> None:
