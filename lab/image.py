@@ -104,10 +104,10 @@ def ensure_image(variant: str = "cpu") -> BuiltImage:
     except subprocess.TimeoutExpired as err:
         raise LabError(f"image/build.sh {variant} ran past {BUILD_TIMEOUT_S} s") from err
     if proc.returncode != 0:
-        raise LabError(f"image/build.sh {variant} failed (exit {proc.returncode}); the cause is printed above")
+        raise LabError(f"image/build.sh {variant} failed (exit {proc.returncode}), see above")
     found = built_image(variant)
     if found is None or found.stale_inputs():
-        raise LabError(f"image/build.sh {variant} succeeded, but {BUILD_DIR / variant}.json is not the tree's")
+        raise LabError(f"image/build.sh {variant} succeeded but wrote no record of the tree's image")
     return found
 
 

@@ -4,8 +4,8 @@ GPU host (torch's CUDA build from PyPI requires cuda-toolkit, cuda-bindings and 
 
 The CPU build of torch that the lab and CI install has none of these requirements, so `pip freeze` there
 cannot see them; this resolves the lock against PyPI alone (`pip --isolated`: no local find-links, no
-constraint file), reading wheel metadata only: nothing is installed. It runs on Linux x86_64 with Python 3.11, the CT image's
-platform (Debian 12's python3), so the resolver picks exactly the wheels the image installs.
+constraint file), reading wheel metadata only: nothing is installed. It runs on Linux x86_64 with Python
+3.11, the CT image's platform (Debian 12's python3), so the resolver picks exactly the wheels it installs.
 Every pin of the trainer lock is kept as it is; the resolver may only add packages.
 
 Usage: cuda_lock.py LOCK CONSTRAINTS OUT
