@@ -24,6 +24,7 @@ PINS=${IMAGE_PINS:-$REPO/image/packages.txt}
 CONSTRAINTS=$REPO/image/constraints.txt
 STORAGE=${IMAGE_STORAGE:-local}
 PY=/usr/bin/python3   # Debian's, the image's Python: not whatever python3 comes first on PATH
+ANSIBLE_PLAYBOOK=$REPO/.venv/bin/ansible-playbook  # renders the units from the roles' templates (make bootstrap)
 ZSTD_LEVEL=${IMAGE_ZSTD_LEVEL:-3}  # -9 took 9 of 17 minutes on a loaded machine for 8% less
 BUDGET_S=600          # a cpu build with warm caches on 2 cores
 BUDGET_MB=2048        # the cpu archive
@@ -53,7 +54,8 @@ commit() { echo "$COMMIT"; }
 # The inputs that end up in the image; a change not committed yet marks the version (".dirty").
 dirty() {
   [ -n "$(git -C "$REPO" status --porcelain -- image trainer/pyproject.toml trainer/requirements.lock \
-          trainer/requirements-cuda.lock trainer/src ':(glob)roles/*/files/**' 2>/dev/null)" ]
+          trainer/requirements-cuda.lock trainer/src ':(glob)roles/*/files/**' ':(glob)roles/*/templates/**' \
+          ':(glob)roles/*/defaults/**' 2>/dev/null)" ]
 }
 
 image_version() { local v; v="$(trainer_version)-g$(commit)"; if dirty; then v="$v.dirty"; fi; echo "$v"; }
@@ -161,6 +163,11 @@ trainer_wheel() {  # from a copy of trainer/, so the build writes nothing into t
   compgen -G "$TMP/dist/dflash_trainer-*.whl" >/dev/null || die "pip wheel wrote no dflash_trainer wheel"
 }
 
+units() {  # the roles' unit files and the tools they run, rendered with the roles' defaults (image/units.yml)
+  ANSIBLE_CONFIG=$REPO/ansible/ansible.cfg ANSIBLE_NOCOLOR=1 "$ANSIBLE_PLAYBOOK" -i localhost, \
+    "$REPO/image/units.yml" -e "image_unit_dir=$TMP/units" || die "could not render the unit files (image/units.yml)"
+}
+
 pins_pref() {  # packages.txt as apt preferences: the pinned version of every package wins, up or down
   local line
   pkg_list "$PINS" | while read -r line; do
@@ -193,7 +200,7 @@ rootfs() {  # mmdebstrap, the customize hook, and zstd into the .partial file
   IMAGE_REPO=$REPO IMAGE_NAME=$NAME IMAGE_VARIANT=$VARIANT IMAGE_VERSION=$VERSION IMAGE_COMMIT=$(commit) \
   IMAGE_SUITE=$SUITE IMAGE_LOCK_SHA256=$(sha256sum "$LOCK" | cut -d' ' -f1) \
   IMAGE_PINS_SHA256=$(sha256sum "$PINS" | cut -d' ' -f1) IMAGE_TRAINER_VERSION=$(trainer_version) \
-  IMAGE_MANIFEST_OUT=$TMP/image.json TMPDIR=$TMP \
+  IMAGE_MANIFEST_OUT=$TMP/image.json IMAGE_UNITS_DIR=$TMP/units TMPDIR=$TMP \
     mmdebstrap "${MMARGS[@]}" "$SUITE" - "$(sources)" | zstd -q -T0 -"$ZSTD_LEVEL" -o "$PARTIAL"
 }
 
@@ -245,7 +252,7 @@ $([ "$seconds" -le $BUDGET_S ] && echo ok || echo "OVER (a cold apt cache or whe
 preflight() {
   [ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap --mode=root, mounts in the chroot)"
   local tool
-  for tool in mmdebstrap zstd "$PY" git flock; do
+  for tool in mmdebstrap zstd "$PY" git flock "$ANSIBLE_PLAYBOOK"; do
     command -v "$tool" >/dev/null || die "$tool is missing: run 'make bootstrap' (or apt-get install $tool)"
   done
   [ -r "$LOCK" ] || die "no lock at $LOCK"
@@ -286,6 +293,7 @@ build() {
   if dirty; then say "warning: uncommitted changes under image/, trainer/ or roles/: version marked .dirty"; fi
   phase wheels wheels
   phase trainer trainer_wheel
+  phase units units
   phase rootfs rootfs
   local seconds=$((SECONDS - STARTED))
   phase publish publish "$NAME" "$seconds"

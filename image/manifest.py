@@ -36,7 +36,7 @@ def python_packages() -> dict[str, str]:
 
 
 def units() -> list[str]:
-    directory = Path("/etc/systemd/system")
+    directory = Path("/usr/lib/systemd/system")  # vendor units (image/hooks/customize.sh)
     listed = os.environ.get("IMAGE_UNITS", "").split()
     return sorted(name for name in listed if (directory / name).is_file())
 

@@ -24,11 +24,13 @@ from lab.settings import REPO, LabSettings
 BUILD_DIR = REPO / "build" / "image"
 BUILD_SCRIPT = REPO / "image" / "build.sh"
 BUILD_TIMEOUT_S = 3600
-# The tree's files that decide the image's environment; a build made from others is not the tree's image.
-INPUTS = {
-    "lock_sha256": REPO / "trainer" / "requirements.lock",
-    "packages_txt_sha256": REPO / "image" / "packages.txt",
+# The lock each variant installs (image/build.sh, roles/ct_environment pick the same): the cuda one adds the
+# CUDA libraries of torch's CUDA build (scripts/cuda_lock.py).
+LOCKS = {
+    "cpu": REPO / "trainer" / "requirements.lock",
+    "cuda": REPO / "trainer" / "requirements-cuda.lock",
 }
+PINS = REPO / "image" / "packages.txt"
 
 # What image/build.sh's publish step writes and the readers (this module, the L2 role) rely on.
 RECORD_KEYS = ["path", "name", "volid", "sha256", "size_bytes", "manifest"]
@@ -59,10 +61,12 @@ class BuiltImage:
         return self.record["manifest"]
 
     def stale_inputs(self) -> list[str]:
-        """The tree's inputs this image was not built from (empty: it is the tree's image)."""
+        """The tree's files that decide the environment and that this image was not built from (empty: it is
+        the tree's image; the trainer itself the L3 role installs over it)."""
+        inputs = {"lock_sha256": LOCKS[self.manifest["variant"]], "packages_txt_sha256": PINS}
         return [
             f"{path.relative_to(REPO)}"
-            for key, path in INPUTS.items()
+            for key, path in inputs.items()
             if self.manifest.get(key) != hashlib.sha256(path.read_bytes()).hexdigest()
         ]
 

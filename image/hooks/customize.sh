@@ -3,13 +3,14 @@
 # after apt installed the Debian packages. Its inputs come from image/build.sh through IMAGE_* variables.
 #   1. the installed Debian set must equal image/packages.txt (pins drift when the mirror moves on);
 #   2. the trainer venv at /opt/dflash/venv from the lock, offline, from the build's wheelhouse;
-#   3. the trainer's unit files, where roles ship real ones;
+#   3. the units of the CT's services (image/units.yml renders them from the roles) and the tools they run;
 #   4. /etc/dflash/image.json; files that differ between build machines are removed.
 # shellcheck disable=SC2016  # hook strings and dpkg-query formats are expanded later, by design
 set -euo pipefail
 
 ROOT=${1:?usage: customize.sh ROOTDIR}
 : "${IMAGE_TRAINER_VERSION:?}" "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
+: "${IMAGE_UNITS_DIR:?}"
 STAGE=/tmp/dflash-build  # inside the chroot; mmdebstrap empties /tmp at the end
 # The L3 role's layout (roles/ct_environment/tasks/venv.yml): one venv per lock under venvs/, stamped complete
 # with the lock's sha256, and the stable path a link to it. The role then finds this venv complete and keeps it.
@@ -63,16 +64,20 @@ install_venv() {
   ln -sfn "$VENV_LINK/bin/dflash-train" "$ROOT/usr/local/bin/dflash-train"
 }
 
-install_units() {  # plain unit files that roles ship; templates are rendered by their role at deploy time
-  local unit names=()
-  for unit in "$IMAGE_REPO"/roles/*/files/*.{service,timer,socket,target,path}; do
+install_units() {  # vendor units, not enabled: the L4/L5 roles write the deployment's own to /etc and enable them
+  local unit tool names=()
+  for unit in "$IMAGE_UNITS_DIR"/systemd/*; do
     [ -f "$unit" ] || continue
-    install -D -m 0644 "$unit" "$ROOT/etc/systemd/system/$(basename "$unit")"
+    install -D -m 0644 "$unit" "$ROOT/usr/lib/systemd/system/$(basename "$unit")"
     names+=("$(basename "$unit")")
   done
+  for tool in "$IMAGE_UNITS_DIR"/sbin/*; do
+    [ -f "$tool" ] && install -D -m 0755 "$tool" "$ROOT/usr/local/sbin/$(basename "$tool")"
+  done
+  [ ${#names[@]} -gt 0 ] || die "no unit files in $IMAGE_UNITS_DIR/systemd (image/units.yml rendered none)"
   IMAGE_UNITS="${names[*]}"
   export IMAGE_UNITS
-  echo "customize: units installed: ${IMAGE_UNITS:-none (no role ships a unit file yet)}" >&2
+  echo "customize: units installed: $IMAGE_UNITS" >&2
 }
 
 write_manifest() {

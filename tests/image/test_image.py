@@ -1,7 +1,5 @@
-"""The CT image, checked inside a container booted from it (`pytest -m slow tests/image`).
-
-Slow: it boots a container from build/image (and builds the cpu image first when there is none).
-"""
+"""The CT image, checked inside a throwaway container booted from it: the cpu image (the lab's) in
+`make test`, the cuda image in `make test-slow` (built first when missing)."""
 
 from __future__ import annotations
 
@@ -10,23 +8,24 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 from testinfra.host import Host
 
 from lab import image
 from lab.settings import REPO
-
-pytestmark = pytest.mark.slow
 
 VENV_PYTHON = "/opt/dflash/venv/bin/python"
 # What the trainer imports at run time, by import name.
 IMPORTS = ["torch", "transformers", "triton", "fla", "safetensors", "pyarrow", "numpy", "dflash_trainer"]
 
 
-def lock_pins() -> dict[str, str]:
-    lines = (REPO / "trainer" / "requirements.lock").read_text().splitlines()
+def variant_lock(built: image.BuiltImage) -> Path:
+    return image.LOCKS[built.manifest["variant"]]
+
+
+def lock_pins(built: image.BuiltImage) -> dict[str, str]:
+    lines = variant_lock(built).read_text().splitlines()
     pins = (line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
-    return {name.lower().replace("_", "-"): version for name, version in pins}
+    return {normal(name): version for name, version in pins}
 
 
 def normal(name: str) -> str:
@@ -34,7 +33,8 @@ def normal(name: str) -> str:
 
 
 def test_archive_is_a_proxmox_template(built: image.BuiltImage) -> None:
-    assert re.fullmatch(r"debian-12-dflash-cpu_[^_/]+_amd64\.tar\.zst", built.name), built.name
+    variant = built.manifest["variant"]
+    assert re.fullmatch(rf"debian-12-dflash-{variant}_[^_/]+_amd64\.tar\.zst", built.name), built.name
     assert built.volid == f"local:vztmpl/{built.name}"
     assert hashlib.sha256(built.path.read_bytes()).hexdigest() == built.sha256
 
@@ -52,7 +52,7 @@ def test_debian_12_with_build_tools_for_triton(ct: Host) -> None:
     assert ct.file("/usr/include/python3.11/Python.h").exists
 
 
-def test_environment_imports_its_packages(ct: Host) -> None:
+def test_environment_imports_its_packages(ct: Host, built: image.BuiltImage) -> None:
     script = (
         "import importlib, json, sys; print(json.dumps({m: getattr(importlib.import_module(m), "
         "'__version__', '?') for m in sys.argv[1:]}))"
@@ -60,22 +60,32 @@ def test_environment_imports_its_packages(ct: Host) -> None:
     cmd = ct.run(f'{VENV_PYTHON} -c "{script}" {" ".join(IMPORTS)}')
     assert cmd.rc == 0, cmd.stderr
     versions = json.loads(cmd.stdout.strip().splitlines()[-1])
-    pins = lock_pins()
+    pins = lock_pins(built)
     assert versions["torch"].split("+")[0] == pins["torch"]
     assert versions["transformers"] == pins["transformers"]
     assert versions["triton"] == pins["triton"]
 
 
-def test_pip_freeze_is_the_lock(ct: Host) -> None:
+def test_torch_is_the_variants_build(ct: Host, built: image.BuiltImage) -> None:
+    """cpu: no CUDA in torch; cuda: PyPI's CUDA build with its libraries loadable (no GPU needed for that)."""
+    code = "import torch; print(torch.version.cuda); import torch.cuda.nccl as n; print(n.version())"
+    cmd = ct.run(f'{VENV_PYTHON} -c "{code}"')
+    cuda = cmd.stdout.split()[0] if cmd.stdout else ""
+    if built.manifest["variant"] == "cpu":
+        assert cuda == "None", f"the cpu image's torch is built for CUDA {cuda}"
+    else:
+        assert cmd.rc == 0, cmd.stderr
+        assert cuda.split(".")[0] == "13", f"the cuda image's torch says CUDA {cuda}"
+
+
+def test_pip_freeze_is_the_lock(ct: Host, built: image.BuiltImage) -> None:
     """Exactly the lock plus the trainer (pip freeze leaves out pip and setuptools; the manifest has them)."""
     freeze = ct.check_output(f"{VENV_PYTHON} -m pip freeze")
     lines = [line.split("==", 1) for line in freeze.splitlines()]
     assert all(len(pair) == 2 for pair in lines), f"not all pinned by version: {freeze}"
     installed = {normal(name): version.split("+")[0] for name, version in lines}
     manifest = json.loads(ct.file("/etc/dflash/image.json").content_string)
-    expected = {normal(n): v for n, v in lock_pins().items()} | {
-        "dflash-trainer": manifest["trainer_version"]
-    }
+    expected = lock_pins(built) | {"dflash-trainer": manifest["trainer_version"]}
     assert installed == expected
 
 
@@ -87,9 +97,8 @@ def test_dflash_train_version(ct: Host) -> None:
 def test_manifest_matches_the_lock_and_pins(ct: Host, built: image.BuiltImage) -> None:
     manifest = json.loads(ct.file("/etc/dflash/image.json").content_string)
     assert manifest == built.manifest
-    lock = (REPO / "trainer" / "requirements.lock").read_bytes()
+    lock = variant_lock(built).read_bytes()
     assert manifest["lock_sha256"] == hashlib.sha256(lock).hexdigest(), "image built from another lock"
-    assert manifest["variant"] == "cpu"
     pins = [
         line
         for line in (REPO / "image" / "packages.txt").read_text().splitlines()
@@ -100,9 +109,9 @@ def test_manifest_matches_the_lock_and_pins(ct: Host, built: image.BuiltImage) -
     assert set(dpkg) == set(pins)
 
 
-def test_venv_laid_out_as_the_l3_role_expects(ct: Host) -> None:
+def test_venv_laid_out_as_the_l3_role_expects(ct: Host, built: image.BuiltImage) -> None:
     """roles/ct_environment finds the image's venv stamped complete and keeps it."""
-    lock_sha = hashlib.sha256((REPO / "trainer" / "requirements.lock").read_bytes()).hexdigest()
+    lock_sha = hashlib.sha256(variant_lock(built).read_bytes()).hexdigest()
     venv = f"/opt/dflash/venvs/{lock_sha[:16]}"
     assert ct.file("/opt/dflash/venv").linked_to == venv
     assert ct.file(f"{venv}/.dflash-lock.sha256").content_string.strip() == lock_sha
@@ -114,14 +123,22 @@ def test_no_build_leftovers(ct: Host) -> None:
     assert ct.run("ls /var/cache/apt/archives/*.deb").rc != 0
 
 
-def test_units_present_once_roles_ship_them(ct: Host) -> None:
-    kinds = (".service", ".timer", ".socket", ".target", ".path")
-    units = sorted(p.name for p in REPO.glob("roles/*/files/*") if p.suffix in kinds)
-    if not units:
-        pytest.skip("no role ships a unit file yet (roles/*/files/*.service)")
-    for unit in units:
-        assert ct.file(f"/etc/systemd/system/{unit}").exists, unit
+UNITS = ["dflash-stage-model.service", "dflash-train.service"]  # image/units.yml
+
+
+def test_units_present_and_left_to_the_roles(ct: Host, built: image.BuiltImage) -> None:
+    """Vendor units from the roles' templates, known to systemd, not enabled (L4/L5 enable theirs)."""
+    assert built.manifest["units"] == UNITS
+    for unit in UNITS:
+        assert ct.file(f"/usr/lib/systemd/system/{unit}").exists, unit
         assert ct.run(f"systemctl cat {unit}").rc == 0, unit
+        assert ct.run(f"systemctl is-enabled {unit}").stdout.strip() == "disabled", unit
+    stage_tool = ct.file("/usr/local/sbin/dflash-stage-model")
+    assert stage_tool.exists and stage_tool.mode & 0o111, "the staging unit's tool is missing"
+    assert (
+        "ExecStart=/usr/local/sbin/dflash-stage-model "
+        in ct.file("/usr/lib/systemd/system/dflash-stage-model.service").content_string
+    )
 
 
 def test_template_unpacks_as_pct_does(built: image.BuiltImage, tmp_path: Path) -> None:

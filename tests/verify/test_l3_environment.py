@@ -9,6 +9,7 @@ import hashlib
 import re
 from typing import Any
 
+from lab.image import LOCKS
 from tests.verify.conftest import REPO
 
 GROUP = "training_cts"
@@ -37,8 +38,7 @@ def test_gcc_and_python_headers(host) -> None:
 
 def variant_lock(hostvars: dict[str, Any]) -> str:
     """The lock of the CT's variant, as roles/ct_environment picks it (ct_variant; cuda by default)."""
-    variant = var(hostvars, "ct_variant", "cuda")
-    return f"trainer/requirements{'-cuda' if variant == 'cuda' else ''}.lock"
+    return str(LOCKS[var(hostvars, "ct_variant", "cuda")].relative_to(REPO))
 
 
 def pins(text: str) -> dict[str, str]:
