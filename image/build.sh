@@ -252,9 +252,10 @@ $([ "$seconds" -le $BUDGET_S ] && echo ok || echo "OVER (a cold apt cache or whe
 preflight() {
   [ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap --mode=root, mounts in the chroot)"
   local tool
-  for tool in mmdebstrap zstd "$PY" git flock "$ANSIBLE_PLAYBOOK"; do
+  for tool in mmdebstrap zstd "$PY" git flock; do
     command -v "$tool" >/dev/null || die "$tool is missing: run 'make bootstrap' (or apt-get install $tool)"
   done
+  [ -x "$ANSIBLE_PLAYBOOK" ] || die "$ANSIBLE_PLAYBOOK is missing (it renders the units): run 'make bootstrap'"
   [ -r "$LOCK" ] || die "no lock at $LOCK"
   [ -r "$PACKAGES_IN" ] || die "no package list at $PACKAGES_IN"
   mkdir -p "$OUT_DIR" "$CACHE"
