@@ -18,6 +18,11 @@ def up(settings: LabSettings) -> bool:
         # CT 200's stand-in runs the CT image, as on a host; the host's stand-in a plain Debian minbase.
         if spec.role == "ct":
             make_rootfs = image.image_rootfs(settings)
+            if containers.is_complete(spec.name) and not image.read_record(
+                image.ct_record_path(settings, spec.name)
+            ):
+                print(f"lab: {spec.name} has no record of a CT image (an older lab): rebuilding", flush=True)
+                containers.remove(spec.name)
         else:
             make_rootfs = containers.minbase_rootfs(settings)
         part = containers.ensure_container(spec, settings, make_rootfs)

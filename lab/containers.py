@@ -141,6 +141,11 @@ def _marker(name: str) -> Path:
     return LXC_ROOT / name / "lab-complete"
 
 
+def is_complete(name: str) -> bool:
+    """Built, configured and booted once by `make lab` (a container without the marker is half-built)."""
+    return _marker(name).exists()
+
+
 def remove(name: str) -> None:
     """Stops container NAME and removes its directory."""
     if state(name) == "RUNNING":
