@@ -3,9 +3,11 @@
 #   image/build.sh [cpu|cuda]          build build/image/debian-12-dflash-VARIANT_VERSION_amd64.tar.zst
 #   image/build.sh --print [cpu|cuda]  print the archive's path, file name and volid without building
 #   image/build.sh --refresh-pins      re-resolve image/packages.in into image/packages.txt (review the diff)
+#   image/build.sh --prune [cpu|cuda]  remove all but the newest IMAGE_KEEP (2) archives of a variant (a build
+#                                      does this after publishing)
 # One line per phase with its duration; the details go to build/image/VARIANT.log.
 # Overrides (tests, other machines): IMAGE_OUT_DIR, IMAGE_CACHE, IMAGE_LOCK, IMAGE_PACKAGES_IN, IMAGE_PINS,
-# IMAGE_STORAGE, IMAGE_ZSTD_LEVEL, IMAGE_MIN_FREE_GB, IMAGE_MIRROR, IMAGE_SECURITY_MIRROR.
+# IMAGE_STORAGE, IMAGE_ZSTD_LEVEL, IMAGE_MIN_FREE_GB, IMAGE_MIRROR, IMAGE_SECURITY_MIRROR, IMAGE_KEEP.
 # shellcheck disable=SC2016  # hook strings and dpkg-query formats are expanded later, by design
 set -euo pipefail
 
@@ -26,6 +28,7 @@ STORAGE=${IMAGE_STORAGE:-local}
 PY=/usr/bin/python3   # Debian's, the image's Python: not whatever python3 comes first on PATH
 ANSIBLE_PLAYBOOK=$REPO/.venv/bin/ansible-playbook  # renders the units from the roles' templates (make bootstrap)
 ZSTD_LEVEL=${IMAGE_ZSTD_LEVEL:-3}  # -9 took 9 of 17 minutes on a loaded machine for 8% less
+KEEP=${IMAGE_KEEP:-2}  # archives of each variant left in OUT_DIR (one per commit built: 0.7 GB cpu, 2.8 GB cuda)
 BUDGET_S=600          # a cpu build with warm caches on 2 cores
 BUDGET_MB=2048        # the cpu archive
 
@@ -226,6 +229,21 @@ Path(out + ".partial").rename(out)
 EOF
 }
 
+prune() {  # prune VARIANT: all but the newest KEEP archives of VARIANT go, with their JSON copies
+  local variant=$1 archive
+  [[ $KEEP =~ ^[1-9][0-9]*$ ]] || die "IMAGE_KEEP must be a whole number of 1 or more (got '$KEEP')"
+  # The latest build (VARIANT.json) is never pruned, whatever the modification times say.
+  local latest
+  latest=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["path"])' "$OUT_DIR/$variant.json" \
+           2>/dev/null || true)
+  ls -1t "$OUT_DIR"/debian-"$DEBIAN_RELEASE"-dflash-"$variant"_*_"$ARCH".tar.zst 2>/dev/null | tail -n +$((KEEP + 1)) \
+    | while read -r archive; do
+        [ "$archive" = "$latest" ] && continue
+        rm -f "$archive" "${archive%.tar.zst}.json"
+        say "pruned    $(basename "$archive") (IMAGE_KEEP=$KEEP)"
+      done
+}
+
 report() {  # report ARCHIVE SECONDS
   local archive=$1 seconds=$2 size_mb unpacked_mb
   size_mb=$(( $(stat -c %s "$archive") / 1048576 ))
@@ -299,6 +317,7 @@ build() {
   local seconds=$((SECONDS - STARTED))
   phase publish publish "$NAME" "$seconds"
   report "$OUT_DIR/$NAME" "$seconds"
+  prune "$VARIANT"
 }
 
 refresh_pins() {
@@ -335,6 +354,8 @@ case ${1:-} in
   -h|--help) usage 0 ;;
   --print) VARIANT=${2:-${VARIANT:-cpu}}; print_names "$VARIANT" ;;
   --refresh-pins) refresh_pins ;;
+  --prune) VARIANT=${2:-${VARIANT:-cpu}}
+           case $VARIANT in cpu|cuda) prune "$VARIANT" ;; *) die "unknown variant '$VARIANT' (cpu or cuda)" ;; esac ;;
   ""|cpu|cuda) VARIANT=${1:-${VARIANT:-cpu}}; build ;;
   *) echo "image: unknown argument '$1' (a variant is cpu or cuda)" >&2; usage 2 >&2 ;;
 esac

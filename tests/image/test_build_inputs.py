@@ -3,6 +3,7 @@ directory behind. Each run uses its own output and cache directories, so a real 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +68,30 @@ def test_lock_that_does_not_resolve(tmp_path: Path) -> None:
     assert "the lock does not resolve for cpu" in proc.stderr
     assert "safetensors==0.0.0.dev424242" in proc.stderr
     assert_nothing_left(tmp_path)
+
+
+def test_prune_keeps_the_newest_archives_and_the_latest_build(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    archives = [out / f"debian-12-dflash-cpu_0.1.0-g{n:07d}_amd64.tar.zst" for n in range(4)]
+    for age, archive in enumerate(reversed(archives)):  # archives[0] oldest
+        archive.write_bytes(b"x")
+        archive.with_name(archive.name.removesuffix(".tar.zst") + ".json").write_text("{}")
+        os.utime(archive, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+    other = out / "debian-12-dflash-cuda_0.1.0-g0000000_amd64.tar.zst"
+    other.write_bytes(b"x")
+    (out / "cpu.json").write_text(json.dumps({"path": str(archives[0])}))  # the latest build, though oldest
+    proc = build(tmp_path, "--prune", "cpu", IMAGE_KEEP="2")
+    assert proc.returncode == 0, proc.stderr
+    left = sorted(p.name for p in out.glob("*.tar.zst"))
+    assert left == sorted([archives[0].name, archives[2].name, archives[3].name, other.name])
+    assert not archives[1].with_name(archives[1].name.removesuffix(".tar.zst") + ".json").exists()
+    assert f"pruned    {archives[1].name}" in proc.stdout
+
+
+def test_prune_refuses_a_bad_keep(tmp_path: Path) -> None:
+    proc = build(tmp_path, "--prune", "cpu", IMAGE_KEEP="0")
+    assert proc.returncode != 0 and "IMAGE_KEEP must be a whole number of 1 or more" in proc.stderr
 
 
 @pytest.mark.slow
