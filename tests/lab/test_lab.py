@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from proxmoxer import ProxmoxAPI
 from testinfra.host import Host
 
-from lab import seed, services
+from lab import image, seed, services
 from lab.settings import REPO, load_settings
 from tests.verify.backends import LxcAttachBackend
 
@@ -36,6 +37,17 @@ def test_ct_has_sized_dev_shm() -> None:
         shm = ct.mount_point("/dev/shm")
         assert shm.filesystem == "tmpfs"
         assert f"size={spec.shm_size_mb * 1024}k" in shm.options
+
+
+def test_ct_runs_the_image_its_record_names() -> None:
+    """lab-ct200 was unpacked from the archive the lab keeps for it, the one the L2 role uploads."""
+    for spec in (c for c in SETTINGS.containers if c.role == "ct"):
+        record = image.read_record(image.ct_record_path(SETTINGS, spec.name))
+        assert record is not None, f"no record of the image {spec.name} was made from"
+        inside = Host(LxcAttachBackend(spec.name)).file("/etc/dflash/image.json").content_string
+        assert json.loads(inside) == record.manifest, f"{spec.name} runs another image than {record.name}"
+        assert record.manifest["variant"] == "cpu"
+        assert record.path.parent == SETTINGS.lab_dir / "images", "the lab does not keep its own copy"
 
 
 def test_fakepve_answers_with_lab_credentials() -> None:
