@@ -236,12 +236,13 @@ prune() {  # prune VARIANT: all but the newest KEEP archives of VARIANT go, with
   local latest
   latest=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["path"])' "$OUT_DIR/$variant.json" \
            2>/dev/null || true)
-  ls -1t "$OUT_DIR"/debian-"$DEBIAN_RELEASE"-dflash-"$variant"_*_"$ARCH".tar.zst 2>/dev/null | tail -n +$((KEEP + 1)) \
-    | while read -r archive; do
-        [ "$archive" = "$latest" ] && continue
-        rm -f "$archive" "${archive%.tar.zst}.json"
-        say "pruned    $(basename "$archive") (IMAGE_KEEP=$KEEP)"
-      done
+  local archives=()  # newest first; none at all is fine
+  mapfile -t archives < <(ls -1t "$OUT_DIR"/debian-"$DEBIAN_RELEASE"-dflash-"$variant"_*_"$ARCH".tar.zst 2>/dev/null || true)
+  for archive in "${archives[@]:KEEP}"; do
+    [ "$archive" = "$latest" ] && continue
+    rm -f "$archive" "${archive%.tar.zst}.json"
+    say "pruned    $(basename "$archive") (IMAGE_KEEP=$KEEP)"
+  done
 }
 
 report() {  # report ARCHIVE SECONDS

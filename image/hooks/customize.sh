@@ -72,7 +72,8 @@ install_units() {  # vendor units, not enabled: the L4/L5 roles write the deploy
     names+=("$(basename "$unit")")
   done
   for tool in "$IMAGE_UNITS_DIR"/sbin/*; do
-    [ -f "$tool" ] && install -D -m 0755 "$tool" "$ROOT/usr/local/sbin/$(basename "$tool")"
+    [ -f "$tool" ] || continue
+    install -D -m 0755 "$tool" "$ROOT/usr/local/sbin/$(basename "$tool")"
   done
   [ ${#names[@]} -gt 0 ] || die "no unit files in $IMAGE_UNITS_DIR/systemd (image/units.yml rendered none)"
   IMAGE_UNITS="${names[*]}"

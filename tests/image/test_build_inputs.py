@@ -89,6 +89,12 @@ def test_prune_keeps_the_newest_archives_and_the_latest_build(tmp_path: Path) ->
     assert f"pruned    {archives[1].name}" in proc.stdout
 
 
+def test_prune_of_an_empty_directory_does_nothing(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    proc = build(tmp_path, "--prune", "cuda")
+    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+
+
 def test_prune_refuses_a_bad_keep(tmp_path: Path) -> None:
     proc = build(tmp_path, "--prune", "cpu", IMAGE_KEEP="0")
     assert proc.returncode != 0 and "IMAGE_KEEP must be a whole number of 1 or more" in proc.stderr
