@@ -172,8 +172,10 @@ class PeerMonitor:
         with contextlib.suppress(Exception):  # the store's host may be gone already
             self.store.add(f"done/{self.me.rank}", 1)
 
-    def _stop_job(self, why: str) -> None:
-        log.critical("stopping: %s", why)
+    def _stop_job(self, why: str, level: int = logging.CRITICAL) -> None:
+        """CRITICAL when this rank is the one to report the cause (a silent peer, the store gone); a peer's
+        own published failure is already CRITICAL in its log, so stopping because of it is only an ERROR."""
+        log.log(level, "stopping: %s", why)
         logging.shutdown()
         sys.stderr.flush()
         os._exit(EXIT_PEER)  # from a thread, past a main thread stuck in a collective
@@ -188,7 +190,7 @@ class PeerMonitor:
                     failed = [r for r in peers if self.store.check([f"failed/{r}"])]
                     if failed and not self._stop.is_set():
                         causes = [self.store.get(f"failed/{r}").decode() for r in failed]
-                        self._stop_job("peer failed: " + " | ".join(causes))
+                        self._stop_job("peer failed: " + " | ".join(causes), logging.ERROR)
                 now = time.monotonic()
                 for r in peers:
                     beats = self.store.add(f"hb/{r}", 0)
