@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -59,12 +60,26 @@ def snapshot() -> str:
 
 @pytest.fixture(scope="session")
 def layer_l0() -> None:
-    """L1's refusals are about L1: the host first gets L0 (the pinned kernel's headers). A no-op when a
-    provision or the host-layers scenario applied it already: no test depends on the order of the suites."""
+    """L1's refusals are about L1's build: the host first gets L0 (the pinned kernel's headers) and L1's
+    build tools (DKMS adds its kernel hooks to /etc/kernel, which the snapshot watches; L1 installs them once
+    a source is known good). No-ops when a provision or the host-layers scenario did this already: no test
+    depends on the order of the tests or of the suites."""
     if not lab_host_up():
         pytest.skip(f"{HOST} is not running: `make lab` builds it")
     proc = playbook("ansible/l0_host.yml")
     assert proc.returncode == 0, proc.stdout[-3000:]
+    defaults = yaml.safe_load((REPO / "roles" / "nvidia_driver" / "defaults" / "main.yml").read_text())
+    tools = attach(
+        "env",
+        "DEBIAN_FRONTEND=noninteractive",
+        "apt-get",
+        "install",
+        "-y",
+        "-q",
+        "--no-install-recommends",
+        *defaults["nvidia_driver_build_packages"],
+    )
+    assert tools.returncode == 0, f"installing L1's build tools failed: {tools.stderr[-2000:]}"
 
 
 @pytest.fixture
