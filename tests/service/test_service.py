@@ -26,9 +26,15 @@ def test_start_reaches_ready_and_status_shows_the_step(fresh):
     step = ct.wait_for(ct.status_step, 60, "a STATUS line with the step")
     text = ct.show("StatusText")
     assert "loss" in text and "tok/s" in text, text
-    log = ct.journal()
+
+    # Every rank line carries its rank and role. The first step line comes at log_every (10), after the first
+    # STATUS (status_every: 5), and journald may lag behind systemd's status: wait for it.
+    def journal_with_a_step_line() -> str | None:
+        log = ct.journal()
+        return log if "rank 0 trainer: step" in log else None
+
+    log = ct.wait_for(journal_with_a_step_line, 60, "a step line in the journal")
     assert "ready: models and data loaded" in log
-    assert "rank 0 trainer: step" in log  # every rank line carries its rank and role
     print(f"\nREADY after {ready_s:.1f} s; STATUS: {text!r} (step {step})")
 
 
