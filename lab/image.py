@@ -95,9 +95,10 @@ def built_image(variant: str = "cpu", build_dir: Path = BUILD_DIR) -> BuiltImage
 def ensure_image(variant: str = "cpu") -> BuiltImage:
     """The latest finished build of VARIANT when it is the tree's image; otherwise builds one (minutes)."""
     found = built_image(variant)
-    if found is not None and not found.stale_inputs():
+    stale = found.stale_inputs() if found is not None else []
+    if found is not None and not stale:
         return found
-    why = "none is built" if found is None else f"{found.name} predates {', '.join(found.stale_inputs())}"
+    why = "none is built" if found is None else f"{found.name} predates {', '.join(stale)}"
     print(
         f"lab: building the {variant} CT image ({why}): image/build.sh {variant}, minutes; "
         f"log {BUILD_DIR / (variant + '.log')}",
