@@ -146,5 +146,6 @@ def run_drafter(
         step += 1
     if stop is not None:
         end = drain_end(stop, span.stop_step, span.depth, n, m)
-        say(f"stopped at step {step}: discarded {receiver.drain(end)} item(s) in flight, up to item {end}")
+        discarded = receiver.drain(end)
+        say(f"drained after the stop before pipeline step {step}: {discarded} item(s), up to item {end}")
     return consumer.finish(step) | {"stopped": stop is not None and step < span.stop_step}

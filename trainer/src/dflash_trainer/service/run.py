@@ -233,7 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_pipeline(cfg, hooks, stop, max_steps=args.max_steps)
             step = hooks.last.step if hooks.last else None
             how = "stopped" if stop.is_set() else "finished"
-            log.info("%s%s", how, f" at step {step}" if step is not None else "")
+            if step is not None:  # the drafter leader: the one that saved
+                from dflash_trainer.checkpoint import latest_checkpoint
+
+                where = latest_checkpoint(cfg.train.checkpoint_dir) or "no checkpoint"
+                log.info("%s at step %d; checkpoint %s", how, step, where)
+            else:
+                log.info("%s", how)
         else:
             result = train(cfg, max_steps=args.max_steps, hooks=[hooks], stop=stop, on_ready=hooks.on_ready)
             how, step = ("stopped" if result.stopped else "finished"), result.step
