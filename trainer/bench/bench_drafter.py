@@ -143,7 +143,7 @@ def drafter_spec(shape: Shape) -> DrafterSpec:
 
 
 def train_config(shape: Shape, variant: Variant, device: torch.device) -> TrainConfig:
-    """A TrainConfig for DrafterTrainer alone: paths are never opened."""
+    """A TrainConfig for DrafterSide alone: paths are never opened."""
     return TrainConfig(
         model=ModelConfig(target_path=Path("unused")),
         drafter=DrafterConfig(mask_token_id=shape.vocab - 1, num_layers=shape.layers, block_size=shape.block),
