@@ -182,6 +182,20 @@ def test_resume_after_background_saves_is_exact(tmp_path, tiny_target, shards, m
         assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
 
 
+def torch_enospc(real_save, obj) -> RuntimeError:
+    """The error torch.save raises on a full disk: RuntimeError "[enforce fail at inline_container.cc:...]
+    unexpected pos", the OSError only its __context__ (made for real on /dev/full)."""
+    full = Path("/dev/full").open("wb")  # noqa: SIM115  # its close re-raises ENOSPC: suppressed below
+    try:
+        real_save(obj, full)
+    except RuntimeError as e:
+        return e
+    finally:
+        with contextlib.suppress(OSError):
+            full.close()
+    raise AssertionError("torch.save to /dev/full did not fail")
+
+
 def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(tmp_path, tiny_target, shards, monkeypatch):
     import dflash_trainer.checkpoint as ck
 
@@ -192,8 +206,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(tmp_path, tiny
         calls.append(1)
         if len(calls) == 3:  # state.pt of the second checkpoint: written partly, then the disk is full
             f.write(b"partial")
-            with open("/dev/full", "wb") as full:  # torch's own error for ENOSPC, the OSError its context
-                real_save(obj, full)
+            raise torch_enospc(real_save, obj)
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(ck.torch, "save", dies_on_the_second_checkpoint)
