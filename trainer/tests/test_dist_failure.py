@@ -59,3 +59,28 @@ def test_fault_ends_the_job_loudly(rank: int, role: str, kind: str) -> None:
         # ties to its role and device.
         pid = re.search(rf"INFO {me}: pid (\d+)", log).group(1)
         assert re.search(rf"Signal 9 \(SIGKILL\) received by PID {pid}", log), log
+
+
+def test_another_threads_failure_is_logged_and_the_rank_goes_on(caplog) -> None:
+    """A tracker's writer thread that fails (tensorboard on a full disk) must not end the rank."""
+    import logging
+    import sys
+    import threading
+
+    from dflash_trainer.distributed.failure import Identity, install_excepthooks
+
+    saved = sys.excepthook, threading.excepthook
+    try:
+        install_excepthooks(Identity(1, "drafter", "cpu", "host"), "cpu", None)
+        with caplog.at_level(logging.ERROR):
+
+            def writer() -> None:
+                raise OSError(28, "No space left on device")
+
+            t = threading.Thread(target=writer, name="EventFileWriter")
+            t.start()
+            t.join()
+    finally:
+        sys.excepthook, threading.excepthook = saved
+    [line] = [r.getMessage() for r in caplog.records if "thread EventFileWriter failed" in r.getMessage()]
+    assert "training goes on" in line and "No space left on device" in line

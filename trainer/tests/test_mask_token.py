@@ -56,6 +56,9 @@ def test_preflight_runs_it_on_the_tiny_target(tmp_path: Path, tiny_target) -> No
     target = tiny_target("qwen3_5")
     shards = tmp_path / "shards"
     shards.mkdir()
-    config = tiny_run_config(tmp_path / "t.toml", target, shards)
-    [mask] = [c for c in run_checks(config) if c.name == "mask"]
+    config = tiny_run_config(tmp_path / "t.toml", target, shards, topology={"targets": 1, "drafters": 1})
+    checks = {c.name: c for c in run_checks(config)}
+    mask = checks["mask"]
     assert mask.ok and "no tokenizer files" in mask.detail, mask  # the tiny target has none: said so
+    # Without --nproc the launch is [topology]'s two ranks, as the unit starts them.
+    assert checks["devices"].ok and "cpu: 2 ranks" in checks["devices"].detail, checks["devices"]

@@ -239,7 +239,8 @@ def handle_failure(
 
 
 def install_excepthooks(me: Identity, device: torch.device | str, monitor: PeerMonitor | None) -> None:
-    """Uncaught exceptions in any thread: log `rank R (role, device): cause`, tell the peers, exit."""
+    """Uncaught exceptions of the main thread: log `rank R (role, device): cause`, tell the peers, exit.
+    Other threads' are logged and training goes on (see thread_failed)."""
 
     def handle(exc: BaseException) -> None:
         if not getattr(exc, "__dflash_reported__", False):
@@ -249,5 +250,18 @@ def install_excepthooks(me: Identity, device: torch.device | str, monitor: PeerM
         logging.shutdown()
         os._exit(EXIT_FAILED)
 
+    def thread_failed(args: threading.ExceptHookArgs) -> None:
+        # Another library's thread (a tracker's writer: tensorboard's on a full disk) must not end training;
+        # the trainer's own threads hand their errors to the main thread (checkpoint writer, EMA fold).
+        if args.exc_value is None or isinstance(args.exc_value, SystemExit):
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        log.error(
+            "%s: thread %s failed, training goes on: %s",
+            me,
+            name,
+            "".join(traceback.format_exception(args.exc_value)).rstrip(),
+        )
+
     sys.excepthook = lambda _t, exc, _tb: handle(exc)
-    threading.excepthook = lambda args: handle(args.exc_value) if args.exc_value is not None else None
+    threading.excepthook = thread_failed

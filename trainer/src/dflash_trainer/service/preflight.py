@@ -49,7 +49,7 @@ class Check:
 @dataclass
 class Context:
     config_path: Path
-    nproc: int
+    nproc: int | None  # None: [topology]'s targets + drafters (the unit's rank count), else 1
     cfg: TrainConfig | None = None
     facts: dict = field(default_factory=dict)
 
@@ -66,7 +66,12 @@ def check_config(ctx: Context) -> str:
     try:
         ctx.cfg = load_config(ctx.config_path, check_paths=False)
     except ConfigError as e:
+        ctx.nproc = ctx.nproc or 1
         raise Failed(str(e), f"edit {ctx.config_path} (the key named)") from None
+    if ctx.nproc is None:  # the unit starts [topology]'s rank count (roles/trainer_service derives it alike)
+        t = ctx.cfg.topology
+        named = isinstance(t.targets, int) and isinstance(t.drafters, int)
+        ctx.nproc = t.targets + t.drafters if named else 1
     return f"{ctx.config_path} valid"
 
 
@@ -403,7 +408,7 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
 ]
 
 
-def run_checks(config_path: Path, *, nproc: int = 1) -> list[Check]:
+def run_checks(config_path: Path, *, nproc: int | None = None) -> list[Check]:
     ctx = Context(Path(config_path), nproc)
     results = []
     for name, fn in CHECKS:
@@ -434,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--nproc",
         type=int,
-        default=int(os.environ.get("DFLASH_NPROC", "1")),
-        help="ranks the launch will start (default $DFLASH_NPROC or 1)",
+        default=int(os.environ["DFLASH_NPROC"]) if os.environ.get("DFLASH_NPROC") else None,
+        help="ranks the launch will start (default $DFLASH_NPROC, else [topology]'s targets + drafters)",
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()
