@@ -152,10 +152,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: Path, *, ema: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(state, ema state or None), on the CPU."""
+    """(state, ema state or None), on the CPU.
+
+    Memory-mapped: tensors are read from the file as they are used (the optimizer moments as they are copied
+    to the device, none of them when `export` needs only the spec and the EMA), not read whole first.
+    """
     path = Path(path)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    ema_state = torch.load(path / "ema.pt", map_location="cpu", weights_only=True) if ema else None
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+    ema_state = torch.load(path / "ema.pt", map_location="cpu", weights_only=True, mmap=True) if ema else None
     return state, ema_state
 
 
