@@ -696,7 +696,10 @@ class DrafterSide:
         """Snapshots the state and writes it in the background (leader only)."""
         assert self.checkpointer is not None and self.ema is not None
         ema = self.ema
-        return self.checkpointer.save(self.step_count, self.state_dict(next_step), ema.state_dict)
+        # The EMA is written live (frozen, not copied: 6.8 GB of host memory and a CPU copy in the stall).
+        return self.checkpointer.save(
+            self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw
+        )
 
     def resume(self, path: Path) -> Position:
         """Loads a checkpoint of any topology (every drafter: the DDP replicas must start equal)."""
