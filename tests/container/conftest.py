@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fakepve.pytest_plugin as fakepve_plugin
 import pytest
+
+from lab.fakepve_daemon import LabFakePve
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -46,6 +49,18 @@ class Run:
             r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*(?:\n {6,}\S.*)*)", self.out
         )
         return " ".join(found.group(1).split()).strip("'\" ") if found else self.out[-2000:]
+
+
+@pytest.fixture
+def fakepve(request, _fakepve_pki, monkeypatch):
+    """The plugin's fakepve fixture, served by the lab's LabFakePve (lab/fakepve_daemon.py): it answers a CT's
+    description and a host shutdown as a real PVE host does, so the tests see what the lab's daemon shows."""
+    monkeypatch.setattr(fakepve_plugin, "FakePve", LabFakePve)
+    serving = fakepve_plugin._serve(fakepve_plugin._options(request), _fakepve_pki)
+    try:
+        yield serving.pve
+    finally:
+        serving.stop()
 
 
 @pytest.fixture

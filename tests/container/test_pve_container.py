@@ -36,6 +36,7 @@ def test_create_then_rerun_changes_nothing(pve, play, lab) -> None:
     assert (cfg["memory"], cfg["cores"], cfg["hostname"], cfg["onboot"]) == (4096, 4, "ct200", 1)
     assert "unprivileged" not in cfg, "CT 200 must be privileged"
     assert "hwaddr=BC:24:11:AA:BB:CC" in cfg["net0"]
+    assert "firewall=1" in cfg["net0"], "net0 lacks the Proxmox firewall"
     assert cfg["rootfs"].startswith("local-lvm:") and "size=8G" in cfg["rootfs"]
     assert sorted(devn(cfg).values()) == sorted(DEVICES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
@@ -207,3 +208,32 @@ def test_devices_stay_unduplicated_across_runs_and_rewrites(pve, play, lab) -> N
     assert main.count("lxc.prlimit.memlock: unlimited\n") == 1 and main.startswith("arch: amd64\ncores: 4\n")
     assert snapshot == "\narch: amd64\nlxc.prlimit.memlock: unlimited\n", "the snapshot section was touched"
     assert play(ct_gpus=[0]).changed == 0
+
+
+def test_description_comes_back_as_pve_stores_it_and_a_rerun_changes_nothing(pve, play) -> None:
+    """PVE answers the description with a trailing newline and community.proxmox compares strings split on
+    commas: a description with a comma and without that newline is "changed" on every run against a real
+    host."""
+    first = play(ct_description="DFlash CT (managed by Ansible, roles/pve_container)")
+    assert first.rc == 0, first.error()
+    assert pve.ct(200) is not None
+    second = play(ct_description="DFlash CT (managed by Ansible, roles/pve_container)")
+    assert second.rc == 0, second.error()
+    assert second.changed == 0, f"second run changed {second.changed} things"
+
+
+def test_host_shutdown_gives_the_trainer_its_stop_timeout(pve, play) -> None:
+    """A host reboot stops CT 200 with its startup down= timeout (180 s when unset), then kills it: the CT's
+    timeout must cover the trainer unit's TimeoutStopSec (a checkpoint save) plus the rest of its shutdown."""
+    run = play(trainer_service_timeout_stop_sec=900)
+    assert run.rc == 0, run.error()
+    ct = pve.ct(200)
+    ct.shutdown_secs = 900 + 30  # the save takes the whole stop timeout, then the rest stops
+    assert pve.host_shutdown("pve1") == {200: "clean"}, f"CT 200 startup is {ct.config.get('startup')!r}"
+
+
+def test_shutdown_timeout_below_the_trainers_stop_timeout_is_refused(pve, play) -> None:
+    run = play(trainer_service_timeout_stop_sec=900, ct_shutdown_timeout_s=600)
+    assert run.rc != 0
+    assert "ct_shutdown_timeout_s=600 is below" in run.error() and "900" in run.error()
+    assert pve.ct(200) is None
