@@ -129,7 +129,7 @@ def lab(tmp_path: Path, pve) -> dict[str, Any]:
 
 
 @pytest.fixture
-def play(tmp_path: Path, lab: dict[str, Any]):
+def play(tmp_path: Path, lab: dict[str, Any], pve):
     """play(**overrides) runs ansible/l2_container.yml against the fake; returns Run."""
 
     def run(**overrides: Any) -> Run:
@@ -156,9 +156,26 @@ def play(tmp_path: Path, lab: dict[str, Any]):
                 }
             )
         )
+        # The host's `pct`: lab/pct_standin/pct, calling this fakepve as root@pam, as root on a host would.
+        bindir = tmp_path / "hostbin"
+        bindir.mkdir(exist_ok=True)
+        if not (bindir / "pct").exists():
+            (bindir / "pct").symlink_to(REPO / "lab" / "pct_standin" / "pct")
+        pct_conf = tmp_path / "lab-pct.json"
+        pct_conf.write_text(
+            json.dumps(
+                {
+                    "url": f"https://{pve.host}:{pve.port}",
+                    "node": "pve1",
+                    "user": "root@pam",
+                    "password": "secret",
+                }
+            )
+        )
         env = {
             **os.environ,
-            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "PATH": f"{bindir}:{BIN}:{os.environ['PATH']}",
+            "LAB_PCT_CONFIG": str(pct_conf),
             "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_FORCE_COLOR": "0",

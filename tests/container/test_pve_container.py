@@ -134,12 +134,19 @@ def test_bad_token_is_one_clear_error(pve, play) -> None:
 
 
 def test_unreachable_api_is_one_clear_error(play) -> None:
+    """Issue 20: the cause was cut mid-word ("...: ess/ticket (Caused by NewConnectionError(...") and printed
+    twice. Now: one line naming the API and the whole cause."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens on it once closed
     run = play(pve_api_host="127.0.0.1", pve_api_port=port)
     assert run.rc != 0
-    assert f"Proxmox API https://127.0.0.1:{port}" in run.error() and "connection refused" in run.error()
+    lines = [line for line in run.out.splitlines() if f"Proxmox API https://127.0.0.1:{port}" in line]
+    assert len(lines) == 1, "the error is printed more than once:\n" + "\n".join(lines)
+    assert lines[0].endswith(
+        f"Proxmox API https://127.0.0.1:{port}: login: cannot connect: [Errno 111] Connection refused"
+        " (is pveproxy running?)"
+    ), lines[0]
 
 
 def test_offline_node_is_one_clear_error(pve, play) -> None:
@@ -148,24 +155,60 @@ def test_offline_node_is_one_clear_error(pve, play) -> None:
     assert run.rc != 0 and "pve1" in run.error() and ("offline" in run.error() or "595" in run.error())
 
 
-def test_token_cannot_set_devn_so_auto_uses_raw_lines(pve, play, lab) -> None:
+def test_token_for_the_api_and_pct_for_devn(pve, play, lab) -> None:
+    """A token cannot set devN (the API refuses it, as PVE does); auto mode sets them with `pct` on the host,
+    where root is root@pam, and the token does everything else. No raw device lines are needed."""
     refused = play(
         pve_api_password="", pve_api_token_id="ci", pve_api_token_secret="token-secret", ct_device_mode="api"
     )
     assert refused.rc != 0 and "root@pam" in refused.error()
-    run = play(
-        pve_api_password="",
-        pve_api_token_id="ci",
-        pve_api_token_secret="token-secret",
-        ct_features=[],
-        ct_device_mode="auto",
-    )
+    token = {"pve_api_password": "", "pve_api_token_id": "ci", "pve_api_token_secret": "token-secret"}
+    run = play(**token, ct_features=[], ct_device_mode="auto")
     assert run.rc == 0, run.error()
-    assert devn(pve.ct(200).config) == {}
+    assert sorted(devn(pve.ct(200).config).values()) == sorted(DEVICES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
-    for path in DEVICES:
-        rel = path.lstrip("/")
-        assert conf.count(f"lxc.mount.entry: {path} {rel} none bind,optional,create=file\n") == 1
+    assert "lxc.mount.entry: /dev/nvidia" not in conf and "lxc.cgroup2.devices.allow" not in conf
+    again = play(**token, ct_features=[], ct_device_mode="auto")
+    assert again.rc == 0 and again.changed == 0, again.error()
+
+
+# The token's privileges docs/container-layers.md documents for an unprivileged CT 200 (a privileged one also
+# needs Sys.Modify on / to be created). fakepve checks each call against them as PVE's schema does.
+LEAST_PRIVILEGES = (
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Config.CPU",
+    "VM.Config.Memory",
+    "VM.Config.Network",
+    "VM.Config.Options",
+    "VM.Config.Disk",
+    "VM.PowerMgmt",
+    "Datastore.AllocateSpace",
+    "Datastore.AllocateTemplate",
+    "Datastore.Audit",
+    "SDN.Use",
+)
+
+
+def test_least_privilege_token_provisions_an_unprivileged_ct(pve, play) -> None:
+    pve.apitokens["root@pam!dflash"] = "least-secret"
+    pve.grant("root@pam!dflash", "/", *LEAST_PRIVILEGES)
+    token = {"pve_api_password": "", "pve_api_token_id": "dflash", "pve_api_token_secret": "least-secret"}
+    run = play(**token, ct_unprivileged=True, ct_features=[])
+    assert run.rc == 0, run.error()
+    cfg = pve.ct(200).config
+    assert cfg.get("unprivileged") == 1 and sorted(devn(cfg).values()) == sorted(DEVICES)
+
+
+def test_api_certificate_checked_against_a_ca_bundle(pve, play, fakepve_cafile) -> None:
+    """A PVE certificate is signed by the cluster's own CA: with that CA as pve_api_ca_file every API call
+    verifies the certificate; without it the play stops with one line saying what to set."""
+    untrusted = play(pve_api_validate_certs=True)
+    assert untrusted.rc != 0
+    assert "TLS certificate not trusted" in untrusted.error() and "pve_api_ca_file" in untrusted.error()
+    run = play(pve_api_validate_certs=True, pve_api_ca_file=fakepve_cafile)
+    assert run.rc == 0, run.error()
+    assert pve.ct(200) is not None and pve.ct(200).status == "running"
 
 
 def test_devn_through_a_token_is_refused_by_the_api(pve) -> None:
