@@ -162,15 +162,9 @@ def play(tmp_path: Path, lab: dict[str, Any], pve):
         if not (bindir / "pct").exists():
             (bindir / "pct").symlink_to(REPO / "lab" / "pct_standin" / "pct")
         pct_conf = tmp_path / "lab-pct.json"
+        url = f"https://{host_vars['pve_api_host']}:{host_vars['pve_api_port']}"
         pct_conf.write_text(
-            json.dumps(
-                {
-                    "url": f"https://{pve.host}:{pve.port}",
-                    "node": "pve1",
-                    "user": "root@pam",
-                    "password": "secret",
-                }
-            )
+            json.dumps({"url": url, "node": "pve1", "user": "root@pam", "password": "secret"})
         )
         env = {
             **os.environ,

@@ -10,8 +10,10 @@ import json
 import socket
 from pathlib import Path
 
+import fakepve.pytest_plugin as plugin
 import pytest
 
+from lab.fakepve_daemon import LabFakePve
 from tests.container.conftest import GPUS
 
 DEVICES = [f"/dev/nvidia{g}" for g in GPUS] + [
@@ -280,3 +282,27 @@ def test_shutdown_timeout_below_the_trainers_stop_timeout_is_refused(pve, play) 
     assert run.rc != 0
     assert "ct_shutdown_timeout_s=600 is below" in run.error() and "900" in run.error()
     assert pve.ct(200) is None
+
+
+def test_a_restarted_api_keeps_the_template_and_the_ct(pve, play, tmp_path: Path, _fakepve_pki) -> None:
+    """Issue 20: after a restart of the lab's API the template was uploaded again. A real host keeps its
+    storage and /etc/pve; the lab's daemon keeps them in state.json, so L2 against it changes nothing."""
+
+    assert play().rc == 0
+    state = tmp_path / "state.json"
+    pve.state_path = state
+    pve.save_state()
+    LabFakePve.state_path = state  # read by the next server at start
+    try:
+        restarted = plugin._serve({"user": "root@pam", "password": "secret", "time_scale": 0}, _fakepve_pki)
+    finally:
+        LabFakePve.state_path = None
+    try:
+        assert restarted.pve.ct(200) is not None, "the restarted API lost CT 200"
+        run = play(pve_api_port=restarted.pve.port)
+        uploads = [r for r in restarted.pve.requests if r[1].endswith("/upload")]
+    finally:
+        restarted.stop()
+    assert run.rc == 0, run.error()
+    assert not uploads, "the template was uploaded again"
+    assert run.changed == 0, f"L2 against the restarted API changed {run.changed} things"
