@@ -77,7 +77,7 @@ fi
 trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK" "$ROOT/trainer/pyproject.toml")
 if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
   new_venv "$TRAINER_VENV"
-  # torch==2.13.0: the CPU wheel where pip's find-links offers it (both builds' hashes are in the cpu lock).
+  # torch==2.13.0: the CPU wheel of pip's find-links, the one build whose hash the cpu lock carries.
   pip_q "$TRAINER_VENV" install --require-hashes --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
     || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
   pip_q "$TRAINER_VENV" install --require-hashes --no-deps --requirement="$NODEPS_LOCK" \

@@ -1,16 +1,15 @@
 #!/usr/bin/env python3
-"""Adds to each pin of a lock the sha256 of every file pip would install for it, so that the lock
-installs with `pip install --require-hashes` (scripts/locks.py describes the format). The pins themselves
-never move: a pin that a source does not offer at exactly its version is an error naming it.
+"""Adds to each pin of a lock the sha256 of the file pip installs for it here, so that the lock installs
+with `pip install --require-hashes` (scripts/locks.py describes the format). The pins themselves never
+move: a pin that pip does not offer at exactly its version is an error naming it.
 
-Sources, each asked with `pip install --dry-run --no-deps --report` (nothing is installed):
-  local  pip's configuration on this machine (`pip config list`): its find-links folder offers the CPU
-         build of torch, its local indexes mirror PyPI's files;
-  pypi   PyPI alone (`pip --isolated`): what a machine without that configuration installs.
-A pin gets the union of both sources' hashes: the cpu lock accepts the local CPU torch wheel and PyPI's
-torch of the same version (whose CUDA libraries only requirements-cuda.lock pins), and every other file that
-both offer is the same file with the same hash. Runs on the CT image's platform (Linux x86_64, Python 3.11),
-where pip picks exactly the wheels the image and the venvs install.
+Source: what `pip install --dry-run --no-deps --report` picks with pip's configuration on this machine
+(`pip config list`; nothing is installed): its find-links folder offers the CPU build of torch, its local
+indexes mirror PyPI's files (the same files, the same hashes). Only the file pip picks here is hashed, not
+every file the indexes offer: pip ranks a candidate whose index URL carries an allowed hash above a
+find-links file, whose URL carries none, so a lock that also listed PyPI's (CUDA) torch would make pip take
+that one over the CPU wheel. Runs on the CT image's platform (Linux x86_64, Python 3.11), where pip picks
+exactly the wheels the image and the venvs install. The cuda lock's hashes are PyPI's (cuda_lock.py).
 
 Usage: hash_lock.py LOCK [LOCK...]   (rewrites each LOCK in place, whole or not at all)
 """
@@ -22,32 +21,21 @@ from pathlib import Path
 
 from locks import Lock, LockError, canonical, check_platform, pip_report, plain_pins, read_lock, write_lock
 
-SOURCES = {"local": (), "pypi": ("--isolated",)}
 
-
-def source_hashes(lock: Lock, source: str) -> dict[str, str]:
-    """canonical name -> sha256 of the file SOURCE offers for each pin."""
+def add_hashes(lock: Lock, path: Path) -> Lock:
     found: dict[str, str] = {}
-    for item in pip_report(plain_pins(lock), "--no-deps", *SOURCES[source]):
+    for item in pip_report(plain_pins(lock), "--no-deps"):
         name = canonical(item.name)
         pin = lock.by_name().get(name)
         if pin is None or item.version.split("+", 1)[0] != pin.version.split("+", 1)[0]:
-            raise LockError(f"{source}: pip picked {item.name}=={item.version}, which the lock does not pin")
+            raise LockError(f"pip picked {item.name}=={item.version}, which the lock does not pin")
         if item.sha256 is None:
-            raise LockError(f"{source}: no sha256 for {item.name}=={item.version} from {item.url}")
+            raise LockError(f"no sha256 for {item.name}=={item.version} from {item.url}")
         found[name] = item.sha256
-    return found
-
-
-def add_hashes(lock: Lock, path: Path) -> Lock:
-    per_source = {source: source_hashes(lock, source) for source in SOURCES}
     for pin in lock.pins:
-        digests = [
-            per_source[s][canonical(pin.name)] for s in SOURCES if canonical(pin.name) in per_source[s]
-        ]
-        if not digests:
-            raise LockError(f"{path}: no source offers {pin.name}=={pin.version}")
-        pin.hashes = list(dict.fromkeys(digests))  # union, first source first, no repeats
+        if canonical(pin.name) not in found:
+            raise LockError(f"{path}: pip offers no file for {pin.name}=={pin.version}")
+        pin.hashes = [found[canonical(pin.name)]]
     return lock
 
 
@@ -64,8 +52,7 @@ def main(argv: list[str]) -> int:
             print(f"hash_lock: {path}: {err}", file=sys.stderr)
             return 1
         write_lock(lock, path)
-        several = sum(len(p.hashes) > 1 for p in lock.pins)
-        print(f"lock: hashed {path} ({len(lock.pins)} pins, {several} with more than one accepted file)")
+        print(f"lock: hashed {path} ({len(lock.pins)} pins)")
     return 0
 
 

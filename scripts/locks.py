@@ -8,9 +8,9 @@ Format (pip's hash-checking mode, as `pip-compile --generate-hashes` writes it):
         --hash=sha256:HEX
 
 Installed with `pip install --require-hashes`: a file whose digest is none of its pin's hashes is refused,
-and so is any package the lock does not pin. A pin carries several hashes where several files are
-acceptable: the CPU build of torch from pip's local find-links (lab, CI) and PyPI's build of the same
-version, or the same version served by a local index and by PyPI.
+and so is any package the lock does not pin. A pin may carry several hashes where several files are
+acceptable (pip then takes any of them); the locks written here carry one each: the trainer lock's torch is
+the CPU build of pip's local find-links (lab, CI), the cuda lock's is PyPI's build.
 
 Used by scripts/hash_lock.py (writes the hashes), scripts/cuda_lock.py (the CUDA lock) and tests/image.
 """

@@ -69,11 +69,16 @@ def test_every_pin_carries_a_hash(lock: Path) -> None:
     assert not bare, f"{lock}: pins without --hash (pip --require-hashes refuses the lock): {bare}"
 
 
-def test_the_cpu_lock_accepts_every_file_the_cuda_lock_does() -> None:
-    """Both take PyPI's files for the shared pins; the cpu lock adds the CPU torch of pip's find-links."""
+def test_the_locks_accept_the_same_files_except_torchs_build() -> None:
+    """Both take PyPI's files (the local index mirrors them) for every shared pin but torch: the cpu lock
+    takes the CPU build of pip's find-links, and only it: with PyPI's hash listed too, pip would rank PyPI's
+    CUDA build (an index URL carrying an allowed hash) above the find-links file and install it."""
     cpu, cuda = hashes("cpu"), hashes("cuda")
-    missing = {name: sorted(cuda[name] - cpu[name]) for name in cpu if cuda[name] - cpu[name]}
-    assert not missing, f"requirements.lock refuses files of requirements-cuda.lock's pins: {missing}"
+    differ = {name: (sorted(cpu[name]), sorted(cuda[name])) for name in cpu if cpu[name] != cuda[name]}
+    assert set(differ) == {"torch"}, (
+        f"requirements.lock and requirements-cuda.lock differ in hashes: {differ}"
+    )
+    assert not cpu["torch"] & cuda["torch"], "the locks accept the same torch file"
 
 
 def find_links() -> list[Path]:
@@ -95,7 +100,7 @@ def test_the_cpu_lock_accepts_the_cpu_torch_of_pips_find_links_and_the_cuda_lock
     if not wheels:
         pytest.skip(f"pip's configuration here offers no CPU build of torch {version} (pip config list)")
     digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
-    assert digest in hashes("cpu")["torch"], f"requirements.lock does not accept {wheels[0]} ({digest})"
+    assert hashes("cpu")["torch"] == {digest}, f"requirements.lock must accept exactly {wheels[0]} ({digest})"
     assert digest not in hashes("cuda")["torch"], f"requirements-cuda.lock accepts the CPU build {wheels[0]}"
 
 
