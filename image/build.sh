@@ -145,12 +145,12 @@ wheels() {  # the lock's wheels for VARIANT in the warm wheelhouse; offline when
     echo "wheelhouse $wh already holds the lock"
     return 0
   fi
-  # A file of the wheelhouse that matches none of its hashes goes before the download (pip 23.0 fetches it
-  # again but then fails on the file it replaced).
+  # A file of the wheelhouse that matches none of its hashes: pip deletes it ("Previously-downloaded file ...
+  # has bad hash", then pip 23.0 fails on the file it deleted), and the download below fetches it again.
   local bad
-  for bad in $(grep -o "from file://$wh/[^ ]*" "$err" | sed "s|^from file://||; s|#.*||" | sort -u); do
-    bad=$(printf '%b' "${bad//%/\\x}")  # the URL's %2B is the file name's +
-    echo "image: $(basename "$bad") in the wheelhouse matches none of its hashes in $(basename "$LOCK"): removed"
+  for bad in $(sed -n 's/.*Previously-downloaded file \(.*\) has bad hash.*/\1/p' "$err" | sort -u); do
+    echo "image: $(basename "$bad") in the wheelhouse matched none of its hashes in $(basename "$LOCK"): \
+removed, fetching it again"
     rm -f "$bad"
   done
   # pip's configuration here offers the CPU build of torch (find-links): that is what the cpu variant takes;

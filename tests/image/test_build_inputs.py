@@ -105,7 +105,7 @@ def test_a_tampered_file_in_the_wheelhouse_is_replaced(tmp_path: Path) -> None:
         IMAGE_MIN_FREE_GB="1",
     )
     log = (tmp_path / "out" / "cuda.log").read_text()
-    assert "mdurl-0.1.2-py3-none-any.whl in the wheelhouse matches none of its hashes" in log, log[-3000:]
+    assert "mdurl-0.1.2-py3-none-any.whl in the wheelhouse matched none of its hashes" in log, log[-3000:]
     wheel = (wheelhouse / "mdurl-0.1.2-py3-none-any.whl").read_bytes()
     assert hashlib.sha256(wheel).hexdigest() == MDURL_SHA256
     assert proc.returncode != 0 and "rootfs" in proc.stderr, proc.stderr  # stopped where it was told to
