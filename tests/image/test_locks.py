@@ -8,7 +8,6 @@ requires exactly). Every pin of every lock carries the sha256 of each file it ma
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import re
 import subprocess
 import sys
@@ -18,12 +17,7 @@ import pytest
 
 from lab.image import LOCKS
 from lab.settings import REPO
-
-_spec = importlib.util.spec_from_file_location("locks", REPO / "scripts" / "locks.py")
-assert _spec and _spec.loader
-locks = importlib.util.module_from_spec(_spec)
-sys.modules["locks"] = locks  # dataclasses look their module up there
-_spec.loader.exec_module(locks)
+from tests.image.lockfile import locks
 
 # What torch's CUDA build pulls in that its CPU build does not (torch 2.13.0: cuda-toolkit, cuda-bindings,
 # cuda-pathfinder and the nvidia-* wheels).
