@@ -33,7 +33,7 @@ lint: bootstrap ## ansible-lint (production profile), yamllint, ruff
 .PHONY: test
 test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios
 	$(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
-	$(PY) -m pytest -q -m "not slow" tests/lab
+	$(PY) -m pytest -q -m "not slow" tests/lab tests/inventory tests/molecule
 	scripts/molecule_all.sh
 	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
 
