@@ -115,8 +115,20 @@ def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
 
 
 def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
-    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards))
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=2, eval_walk_new_tokens=6)
+    run = Run(cfg)
     figures = run.evaluate()
-    assert figures == run.evaluate()  # fixed anchors: the same blocks each time
-    assert 1.0 <= figures["acceptance_length"] <= 4.0
-    assert set(figures) == {"loss", "acceptance_length", "acc_1", "acc_2", "acc_3"}
+    timed = {"walk_tok_s", "walk_s"}
+    again = run.evaluate()
+    # fixed anchors and prompts: the same blocks and the same walk each time
+    assert {k: v for k, v in figures.items() if k not in timed} == {
+        k: v for k, v in again.items() if k not in timed
+    }
+    assert 1.0 <= figures["anchor_accept"] <= 4.0 and 1.0 <= figures["walk_tau"] <= 4.0
+    assert figures["walk_steps"] >= 2 * 6 / 4 and figures["walk_s"] > 0
+    assert (
+        set(figures)
+        == {"loss", "anchor_accept", "acc_1", "acc_2", "acc_3"}
+        | {"walk_tau", "walk_tau_pooled", "walk_steps"}
+        | timed
+    )

@@ -171,3 +171,30 @@ def test_same_steps_as_dflash_generate(trained, tmp_path, monkeypatch) -> None:
         assert torch.equal(walk.output_ids, ref.output_ids)
         assert walk.acceptance_lengths == ref.acceptance_lengths
     assert result.accepted_drafts > 0 and result.rejections > 0
+
+
+def test_walk_config_keys_are_checked() -> None:
+    from pathlib import Path
+
+    from dflash_trainer.config import (
+        ConfigError,
+        DataConfig,
+        DrafterConfig,
+        LoopConfig,
+        ModelConfig,
+        TrainConfig,
+        validate,
+    )
+
+    def cfg(**train: int) -> TrainConfig:
+        return TrainConfig(
+            ModelConfig(Path("t")), DrafterConfig(mask_token_id=1, block_size=8), DataConfig(Path("s")),
+            train=LoopConfig(**train),
+        )  # fmt: skip
+
+    for key in ("eval_walk_new_tokens", "eval_walk_prompt_len"):
+        with pytest.raises(ConfigError, match=rf"^train\.{key}: must be >= 1, got 0$"):
+            validate(cfg(**{key: 0}), target=None)
+    with pytest.raises(ConfigError, match=r"^train\.eval_walk_prompts: must be >= 0, got -1$"):
+        validate(cfg(eval_walk_prompts=-1), target=None)
+    assert validate(cfg(eval_walk_prompts=0), target=None).train.eval_walk_prompts == 0

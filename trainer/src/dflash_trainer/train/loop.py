@@ -30,7 +30,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch, batches, collate
 from dflash_trainer.data.shards import ShardReader, list_shards, read_segments, split_held_out
 from dflash_trainer.ema import CpuEma
-from dflash_trainer.evaluate import evaluate
+from dflash_trainer.evaluate import evaluate, walk_prompts
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.model.target import TargetModel, load_target
 from dflash_trainer.train.trainer import (
@@ -40,6 +40,7 @@ from dflash_trainer.train.trainer import (
     objective_config,
     prepare_drafter,
 )
+from dflash_trainer.walk import WalkSettings
 
 log = logging.getLogger("dflash_trainer.train")
 
@@ -104,8 +105,14 @@ class Run:
         dtype = (
             torch.bfloat16 if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else torch.float32
         )
+        t = cfg.train
+        walks = bool(t.eval_walk_prompts and cfg.data.held_out)
         self.target = load_target(
-            cfg.model.target_path, device=self.device, dtype=dtype, layer_ids=cfg.drafter.target_layer_ids
+            cfg.model.target_path,
+            device=self.device,
+            dtype=dtype,
+            layer_ids=cfg.drafter.target_layer_ids,
+            full=walks,  # the decode walk needs the logits
         )
         self.spec = drafter_spec(cfg, self.target)
         drafter = DFlashDrafter(self.spec).to(self.device)  # fp32 master weights; autocast does bf16
@@ -116,6 +123,10 @@ class Run:
         self.held_out: list[Batch] = list(
             batches(read_segments(held_segments), cfg.optim.batch, cfg.data.seq_len)
         )
+        self.walk_prompts = (
+            walk_prompts(self.held_out, t.eval_walk_prompts, t.eval_walk_prompt_len) if walks else []
+        )
+        self.walk = WalkSettings(max_new_tokens=t.eval_walk_new_tokens)
         self.total_steps = horizon(cfg, self.reader.num_rows)
         self.trainer = DrafterTrainer(
             self.drafter, self.target.embed_tokens, self.target.lm_head, cfg, total_steps=self.total_steps
@@ -176,7 +187,14 @@ class Run:
 
     def evaluate(self) -> dict[str, float]:
         with autocast(self.cfg, self.device):
-            result = evaluate(self.drafter, self.target, self.held_out, objective_config(self.cfg))
+            result = evaluate(
+                self.drafter,
+                self.target,
+                self.held_out,
+                objective_config(self.cfg),
+                prompts=self.walk_prompts,
+                walk=self.walk,
+            )
         return result.as_dict()
 
 
@@ -186,7 +204,10 @@ def _log_line(m: StepMetrics) -> str:
         f"accept {m.acceptance_length:.2f} tok/s {m.tokens_per_s:.0f}"
     )
     if m.eval:
-        line += f" | held-out loss {m.eval['loss']:.4f} accept {m.eval['acceptance_length']:.2f}"
+        line += f" | held-out loss {m.eval['loss']:.4f} anchor_accept {m.eval['anchor_accept']:.2f}"
+        if "walk_tau" in m.eval:
+            e = m.eval
+            line += f" walk tau {e['walk_tau']:.2f} ({e['walk_tok_s']:.0f} tok/s, {e['walk_s']:.1f} s)"
     return line
 
 
