@@ -100,6 +100,19 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_random(args: argparse.Namespace) -> int:
+    from dflash_trainer.model.shapes import write_random_target
+
+    try:
+        out = write_random_target(
+            args.out, args.shape, layers=args.layers, device=args.device, seed=args.seed, progress=print
+        )
+    except (ValueError, FileExistsError) as e:
+        raise UserError(str(e)) from None
+    print(out)
+    return 0
+
+
 def cmd_manifest(args: argparse.Namespace) -> int:
     from dflash_trainer.manifest import check_manifest, write_manifest
 
@@ -228,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--kind", default="qwen3_5")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_model_tiny)
+    rand = model.add_parser(
+        "random", help="write a random target of a published shape, in its published layout (rehearsals)"
+    )
+    rand.add_argument("out", type=Path)
+    rand.add_argument("--shape", required=True, help="qwen3.6-27b, or qwen3.6-mini (same structure, tiny)")
+    rand.add_argument("--layers", type=int, help="keep the first N layers (default: all)")
+    rand.add_argument("--device", help="where weights are made (default: cuda when there is one, else cpu)")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(func=cmd_model_random)
 
     manifest = sub.add_parser("manifest", help="write or check DIR's manifest (path, size, sha256 per file)")
     manifest.add_argument("dir", type=Path)

@@ -222,7 +222,9 @@ def check_devices(ctx: Context) -> str:
             "set trainer_service_nproc (--nproc-per-node of the unit) to their sum, or fix [topology]",
         )
     model = ctx.facts.get("model_bytes", 0)
-    drafter = drafter_param_count(cfg) * 16 if "target" in ctx.facts else 0
+    # A drafter rank holds fp32 weights, gradients and two AdamW moments (16 bytes a parameter) plus
+    # activations and the chunked head; 1.7x the states matches the reference's measured 45.7 GiB peak.
+    drafter = int(drafter_param_count(cfg) * 16 * 1.7) if "target" in ctx.facts else 0
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise Failed(
@@ -234,7 +236,8 @@ def check_devices(ctx: Context) -> str:
             raise Failed(
                 f"{ctx.nproc} ranks, {count} GPUs visible", "pass all GPUs to the CT (ct_gpus, layer L2)"
             )
-        need = max(model, drafter) + (2 * GiB)
+        # One rank runs target and drafter together; in a pipeline a rank holds one of them.
+        need = (model + drafter if ctx.nproc == 1 else max(model, drafter)) + (2 * GiB)
         short = []
         for i in range(ctx.nproc):
             free, total = torch.cuda.mem_get_info(i)
@@ -243,7 +246,8 @@ def check_devices(ctx: Context) -> str:
         if short:
             raise Failed(
                 f"{'; '.join(short)}; a rank needs about {need / GiB:.1f} GiB",
-                "stop what else holds the GPUs (nvidia-smi) or use more target ranks",
+                "stop what else holds the GPUs (nvidia-smi), or split target and drafter over more GPUs "
+                "([topology]), or shrink the drafter or data.max_anchors",
             )
         name = torch.cuda.get_device_name(0)
         return f"{count} x {name}; {ctx.nproc} ranks; about {need / GiB:.1f} GiB needed per rank"
@@ -288,61 +292,142 @@ def check_compiler(ctx: Context) -> str:
     return f"{cc}, {header}"
 
 
-_TRITON_PROBE = """
-import torch, triton, triton.language as tl
-@triton.jit
-def add(x, y, out, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out + i, tl.load(x + i, mask=i < n) + tl.load(y + i, mask=i < n), mask=i < n)
-x = torch.arange(1000, device="cuda", dtype=torch.float32); out = torch.empty_like(x)
-add[(4,)](x, x, out, 1000, BLOCK=256)
-assert torch.equal(out, 2 * x), "wrong result"
-"""
+# One probe module run as `python -m`: Triton reads its kernels' source from the file (gpu_probe.py).
+PROBE_MODULE = "dflash_trainer.service.gpu_probe"
+L3 = "make provision TAGS=l3"
 
-_FLA_PROBE = """
-import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-B, T, H, K = 1, 64, 2, 64
-q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-k = torch.nn.functional.normalize(k, dim=-1)
-g = -torch.rand(B, T, H, device="cuda", dtype=torch.float32)
-beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
-assert torch.isfinite(o.float()).all(), "non-finite output"
-"""
+# (what the probe's last line contains, the fix that matches that cause); the first match wins.
+_PROBE_FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("should be defined in a python file",),
+        "a bug in the probe itself (it must run from its module file): report it",
+    ),
+    (
+        ("failed to find c compiler", "no such file or directory: 'cc'", "no such file or directory: 'gcc'"),
+        f"install gcc (apt-get install gcc; layer L3: {L3})",
+    ),
+    (
+        ("python.h", "calledprocesserror", "returned non-zero exit status"),
+        f"Triton could not build its launcher: install gcc and python3-dev (layer L3: {L3})",
+    ),
+    (
+        (
+            "driver version is insufficient",
+            "no cuda-capable device",
+            "cuinit",
+            "cuda_error_no_device",
+            "nvidia driver on your system is too old",
+            "found no nvidia driver",
+        ),
+        "the NVIDIA driver: the host module (layer L1) and the CT's userspace (layer L3) must match "
+        "and be new enough for the lock's CUDA; nvidia-smi in the CT shows both",
+    ),
+    (
+        ("no module named", "importerror", "cannot import name"),
+        f"reinstall the trainer lock (flash-linear-attention, triton; layer L3: {L3})",
+    ),
+    (("out of memory",), "another process holds the GPU's memory: nvidia-smi names it; stop it"),
+    (
+        ("ptx", "sm_", "unsupported gpu architecture", "ptxas"),
+        "the pinned Triton does not support this GPU: upgrade triton and torch in the lock (make lock)",
+    ),
+    (("timed out",), "the kernel hung: check the GPU (nvidia-smi -q for Xid errors, layer L1)"),
+]
 
 
-def _probe(code: str, timeout: float) -> None:
+def probe_fix(last_line: str) -> str:
+    """The fix that matches a probe failure's cause (its exception's last line)."""
+    text = last_line.lower()
+    for needles, fix in _PROBE_FIXES:
+        if any(n in text for n in needles):
+            return fix
+    return "report it with the probe's traceback (run the probe's command by hand to see it)"
+
+
+def probe_command(probe: str, *, define_only: bool = False, shape: dict[str, int] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", PROBE_MODULE, probe]
+    for key, value in (shape or {}).items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd + (["--define-only"] if define_only else [])
+
+
+def _probe(cmd: list[str], timeout: float) -> str:
+    """Runs a probe; returns its `ok:` line, raises RuntimeError with the cause's one line."""
     import subprocess
 
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+    if proc.returncode == 0:
+        return next((ln[4:] for ln in reversed(lines) if ln.startswith("ok: ")), "ok")
+    cause = next((ln[7:] for ln in reversed(lines) if ln.startswith("error: ")), None)
+    if cause is None:  # died before its own handler (an import at module level, a signal)
+        cause = lines[-1] if lines else f"exit status {proc.returncode}"
+    raise RuntimeError(cause.strip())
+
+
+def hybrid_shape(target_path: Path) -> dict[str, int]:
+    """The Gated DeltaNet shape of a hybrid target, from its config.json (the text config of a wrapper)."""
+    raw = json.loads((target_path / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    try:
+        return {
+            "key_heads": int(text["linear_num_key_heads"]),
+            "value_heads": int(text["linear_num_value_heads"]),
+            "key_dim": int(text["linear_key_head_dim"]),
+            "value_dim": int(text["linear_value_head_dim"]),
+            "conv": int(text.get("linear_conv_kernel_dim", 4)),
+        }
+    except KeyError as e:
+        raise Failed(
+            f"model.target_path {target_path}/config.json: hybrid (linear_attention layers), no {e.args[0]}",
+            "stage a complete target (its published config.json)",
+        ) from None
+
+
+def check_fla(ctx: Context) -> str:
+    """A hybrid target needs flash-linear-attention on CUDA; said before any model loads."""
+    if not ctx.facts.get("hybrid"):
+        raise Skipped("the target has no linear-attention layers")
+    try:
+        import importlib.util
+
+        found = importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        if ctx.facts.get("device") != "cuda":
+            raise Skipped("flash-linear-attention missing; the CPU path uses transformers' torch kernels")
+        raise Failed(
+            "the target is hybrid (Gated DeltaNet layers) and flash-linear-attention is not installed: "
+            "transformers would fall back to its slow torch kernels",
+            f"reinstall the trainer lock (flash-linear-attention; layer L3: {L3})",
+        )
+    from importlib.metadata import version
+
+    return f"flash-linear-attention {version('flash-linear-attention')} for the Gated DeltaNet layers"
 
 
 def check_triton(ctx: Context) -> str:
     if ctx.facts.get("device") != "cuda":
         raise Skipped("no GPU: Triton kernels run on the GPU machine")
     try:
-        _probe(_TRITON_PROBE, 120)
-    except Exception as e:
-        raise Failed(
-            f"a small Triton kernel did not compile and run: {e}",
-            "install gcc and python3-dev (L3); check the driver (L1)",
-        ) from None
+        done = [_probe(probe_command("triton"), 120)]
+    except RuntimeError as e:
+        raise Failed(f"a small Triton kernel did not compile and run: {e}", probe_fix(str(e))) from None
     if not ctx.facts.get("hybrid"):
-        return "a Triton kernel compiled and ran"
+        return done[0]
+    cfg = ctx.need_cfg()
+    shape = hybrid_shape(cfg.model.target_path)
     try:
-        _probe(_FLA_PROBE, 240)
-    except Exception as e:
+        done.append(_probe(probe_command("fla", shape=shape), 300))
+    except RuntimeError as e:
         raise Failed(
-            f"the FLA gated-delta-rule kernel failed: {e}",
-            "reinstall the trainer lock (flash-linear-attention, triton; L3)",
+            f"the FLA kernels on the target's Gated DeltaNet shape failed: {e}", probe_fix(str(e))
         ) from None
-    return "a Triton kernel and the FLA gated-delta-rule kernel compiled and ran"
+    return "; ".join(done)
 
 
 def check_trackers(ctx: Context) -> str:
@@ -391,6 +476,7 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("shm", check_shm),
     ("memlock", check_memlock),
     ("compiler", check_compiler),
+    ("fla", check_fla),
     ("triton", check_triton),
     ("trackers", check_trackers),
 ]

@@ -48,7 +48,7 @@ def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
+def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int | None = None) -> Path:
     raw = tomllib.loads(config.read_text())
     base = config.resolve().parent
     for section, key in PATH_KEYS:  # relative paths resolve against the original file's directory
@@ -61,7 +61,8 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
         checkpoint_dir=str(out / "checkpoints"),
         max_steps=steps,
         checkpoint_every=max(1, stop_at * 3 // 5),  # a periodic save before the stop's own save
-        keep_last=max(int(train.get("keep_last", 3)), 5),
+        # Every checkpoint of the run stays for the report, unless the caller counts disk (a GPU rehearsal).
+        keep_last=keep_last if keep_last is not None else max(int(train.get("keep_last", 3)), 5),
         log_every=min(int(train.get("log_every", 10)), 10),
         ema_every=min(int(train.get("ema_every", 10)), 10),
     )
@@ -163,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="write OUT/smoke.toml from the real configuration")
     p.add_argument("config", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--keep-last", type=int, default=None, help="checkpoints kept (default: at least 5)")
     r = sub.add_parser("report", help="check what the two phases left; print the summary and PASS or FAIL")
     r.add_argument("out", type=Path)
     r.add_argument("--t0", type=float, default=None, help="epoch seconds `make smoke-train` started")
@@ -173,7 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.stop_at < args.steps:
         parser.error("--stop-at must lie between 0 and --steps")
     if args.action == "prepare":
-        print(prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at))
+        print(
+            prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at, keep_last=args.keep_last)
+        )
         return 0
     return report(args.out, steps=args.steps, stop_at=args.stop_at, t0=args.t0)
 
