@@ -93,7 +93,7 @@ def main() -> None:
             vocab_size=TINY_MASK_TOKEN_ID,
         )
     config = CONFIG.format(mask=TINY_MASK_TOKEN_ID, steps=args.steps)
-    config = config.replace("eval_every = 0", f"eval_every = 0\neval_walk_prompts = {args.prompts}")
+    config = config.replace("eval_walk_prompts = 16", f"eval_walk_prompts = {args.prompts}")
     (work / "train.toml").write_text(config)
     run = Run(load_config(work / "train.toml"))
     prompts = walk_prompts(run.held_out, args.prompts, 10_000)

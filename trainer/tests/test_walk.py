@@ -104,6 +104,24 @@ def test_lossless_with_a_trained_drafter(trained, kind: str) -> None:
     assert t.drafter.training  # the walk restores the drafter's mode
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_next"])
+def test_lossless_on_cuda(trained, tiny_target, kind: str) -> None:
+    """On CUDA the hybrid layers run FLA's Triton kernels (model.kernels), cached multi-token calls too."""
+    t = trained(kind)
+    model = load_target(tiny_target(kind), device="cuda", dtype=torch.float32, layer_ids=LAYER_IDS, full=True)
+    drafter = DFlashDrafter(t.drafter.spec).cuda()
+    drafter.load_state_dict(t.drafter.state_dict())
+    prompts = [p.cuda() for p in t.prompts]
+    new = TRAINED_NEW + 8
+    result = decode_walk(model.model, drafter, prompts, WalkSettings(max_new_tokens=new))
+    for prompt, walk in zip(prompts, result.walks, strict=True):
+        with torch.no_grad():
+            assert torch.equal(walk.output_ids, _greedy(model.model, prompt, new)), kind
+    assert result.accepted_drafts >= 20 and result.rejections >= 20, result
+
+
 @pytest.mark.slow
 def test_a_crop_that_keeps_the_recurrent_state_is_not_lossless(trained, monkeypatch) -> None:
     """The walk's test has teeth: a rollback that cuts attention but keeps the Gated DeltaNet states of the
