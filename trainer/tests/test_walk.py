@@ -24,6 +24,7 @@ from dflash_trainer.walk import (
     _TargetCache,
     decode_walk,
     prompts_from_rows,
+    stop_token_ids,
     summarize,
 )
 
@@ -162,6 +163,24 @@ def test_prompts_are_the_unsupervised_prefixes() -> None:
     prompts = prompts_from_rows(ids, loss_mask, attention, num=5, max_len=4)
     assert [p.tolist() for p in prompts] == [[2, 3, 4, 5], [20, 21, 22]]
     assert len(prompts_from_rows(ids, loss_mask, attention, num=1, max_len=4)) == 1
+
+
+def test_walk_stops_where_dflash_does(trained) -> None:
+    """Stop ids (the target's EOS, see stop_token_ids): the prompt ends at the first one generated."""
+    t = trained("qwen3")
+    free = decode_walk(t.target.model, t.drafter, t.prompts[:1], WalkSettings(max_new_tokens=TRAINED_NEW))
+    out = free.walks[0].output_ids[0, PROMPT_LEN:].tolist()
+    stop = out[5]
+    stopped = decode_walk(
+        t.target.model, t.drafter, t.prompts[:1], WalkSettings(TRAINED_NEW, stop_token_ids=(stop,))
+    )
+    assert stopped.walks[0].output_ids[0, PROMPT_LEN:].tolist() == out[: out.index(stop) + 1]
+    t.target.model.generation_config.eos_token_id = [stop, 7]
+    try:
+        assert stop_token_ids(t.target.model) == (stop, 7)
+    finally:
+        t.target.model.generation_config.eos_token_id = None
+    assert stop_token_ids(t.target.model) == ()
 
 
 def test_refuses_a_truncated_target(tiny_target, small_spec) -> None:

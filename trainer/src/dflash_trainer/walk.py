@@ -74,6 +74,15 @@ class WalkResult:
         }
 
 
+def stop_token_ids(model: nn.Module) -> tuple[int, ...]:
+    """The target's end-of-sequence ids from its generation config, as dflash's benchmark stops on them."""
+    config = getattr(model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return (ids,) if isinstance(ids, int) else tuple(ids)
+
+
 def prompts_from_rows(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, num: int, max_len: int
 ) -> list[torch.Tensor]:
