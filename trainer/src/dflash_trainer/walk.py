@@ -115,12 +115,12 @@ class _TargetCache:
         self.length = 0
         self._saved: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, bool]]] = []
 
-    def forward(self, ids: torch.Tensor, *, logits_to_keep: int = 0) -> Any:
+    def forward(self, ids: torch.Tensor, *, logits_to_keep: int = 0, features: bool = True) -> Any:
         out = self.model(
             input_ids=ids,
             past_key_values=self.cache,
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=features,
             logits_to_keep=logits_to_keep,
         )
         self.length += ids.shape[1]
@@ -161,7 +161,7 @@ class _TargetCache:
                 layer.recurrent_states[i].copy_(s)
             layer.has_previous_state.update(prev)
         self.length = start
-        self.forward(tokens[:, :keep], logits_to_keep=1)
+        self.forward(tokens[:, :keep], logits_to_keep=1, features=False)
 
 
 def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
