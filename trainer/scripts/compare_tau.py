@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workdir", type=Path, help="default: a temporary directory")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # 2 cores shared with other work: a second thread only spins
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash-tau-"))
     work.mkdir(parents=True, exist_ok=True)
 
