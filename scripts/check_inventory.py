@@ -1,13 +1,29 @@
-"""Checks INVENTORY before a play: it exists, parses and has the groups the plays target."""
+"""Checks INVENTORY before a play: it exists, parses, has the groups the plays target, and each training CT's
+rank count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc (the rule lives
+with the role that renders the unit: roles/trainer_service/filter_plugins/dflash_train_config.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 GROUPS = ("proxmox_hosts", "training_cts")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rank_problems(data: dict) -> list[str]:
+    path = REPO / "roles/trainer_service/filter_plugins/dflash_train_config.py"
+    spec = importlib.util.spec_from_file_location("dflash_train_config", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reference = (REPO / "trainer/configs/reference.toml").read_text()
+    hostvars = data.get("_meta", {}).get("hostvars", {})
+    hosts = data.get("training_cts", {}).get("hosts", [])
+    return [p for h in hosts for p in module.host_problems(h, hostvars.get(h, {}), reference)]
 
 
 def check(inventory: Path) -> list[str]:
@@ -22,7 +38,7 @@ def check(inventory: Path) -> list[str]:
     data = json.loads(proc.stdout)
     return [
         f"INVENTORY={inventory}: group {g} has no hosts" for g in GROUPS if not data.get(g, {}).get("hosts")
-    ]
+    ] + [f"INVENTORY={inventory}: {p}" for p in rank_problems(data)]
 
 
 if __name__ == "__main__":

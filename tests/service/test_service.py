@@ -1,6 +1,6 @@
-"""dflash-train.service under the lab container's real systemd: READY and STATUS, a killed rank, a stop,
-a hang,
-a broken machine caught by preflight, and a tracker that fails mid-run."""
+"""dflash-train.service under the lab container's real systemd, with the two ranks of the lab's 1:1 topology
+(the N:M service a GPU host runs): READY and STATUS, a killed rank, a stop, a hang, a broken machine caught by
+preflight, and a tracker that fails mid-run."""
 
 from __future__ import annotations
 
@@ -27,14 +27,16 @@ def test_start_reaches_ready_and_status_shows_the_step(fresh):
     text = ct.show("StatusText")
     assert "loss" in text and "tok/s" in text, text
 
+    # Two ranks (the lab's [topology] is 1:1): rank 0 the target, rank 1 the drafter that speaks to systemd.
     # Every rank line carries its rank and role. The first step line comes at log_every (10), after the first
     # STATUS (status_every: 5), and journald may lag behind systemd's status: wait for it.
     def journal_with_a_step_line() -> str | None:
         log = ct.journal()
-        return log if "rank 0 trainer: step" in log else None
+        return log if "rank 1 drafter: step" in log else None
 
     log = ct.wait_for(journal_with_a_step_line, 60, "a step line in the journal")
-    assert "ready: models and data loaded" in log
+    assert "launcher: started 2 rank(s)" in log and "rank 0 target: " in log
+    assert "ready: target, drafter, data and the newest checkpoint loaded on every rank" in log
     print(f"\nREADY after {ready_s:.1f} s; STATUS: {text!r} (step {step})")
 
 

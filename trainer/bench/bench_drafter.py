@@ -1,4 +1,4 @@
-"""Drafter training step benchmark: tokens/s, MFU and peak memory of DrafterTrainer.step (issue #3).
+"""Drafter training step benchmark: tokens/s, MFU and peak memory of DrafterSide.step (issue #3).
 
 Builds reference-shaped drafters from DrafterSpec (no target model): random context features [B, T, K*H],
 a random frozen embedding and LM head of the full vocabulary, and times the trainer's own step (anchors,
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 # Runs from a checkout without installing the package.
@@ -44,13 +45,13 @@ import torch
 from torch import nn
 
 from dflash_trainer.config import DataConfig, DrafterConfig, LoopConfig, ModelConfig, TrainConfig
+from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.anchors import sample_anchors
 from dflash_trainer.method.layers import target_layer_ids
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.attention import flex_block_mask, resolve_impl
 from dflash_trainer.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterSpec
-from dflash_trainer.model.target import TargetBatch
-from dflash_trainer.train.trainer import DrafterTrainer, prepare_drafter
+from dflash_trainer.train.run import DrafterSide, Horizon, prepare_drafter
 
 H100_BF16_DENSE_PEAK = 989e12  # H100/H200 SXM datasheet, dense (no sparsity)
 NUM_TARGET_LAYERS = 64  # Qwen3.6-27B
@@ -142,7 +143,7 @@ def drafter_spec(shape: Shape) -> DrafterSpec:
 
 
 def train_config(shape: Shape, variant: Variant, device: torch.device) -> TrainConfig:
-    """A TrainConfig for DrafterTrainer alone: paths are never opened."""
+    """A TrainConfig for DrafterSide alone: paths are never opened."""
     return TrainConfig(
         model=ModelConfig(target_path=Path("unused")),
         drafter=DrafterConfig(mask_token_id=shape.vocab - 1, num_layers=shape.layers, block_size=shape.block),
@@ -295,19 +296,27 @@ def bench_config(
     drafter = prepare_drafter(DFlashDrafter(spec, attention=variant.attention).to(device), cfg)
     embed, head = frozen_target_parts(shape, device, dtype)
     batch = random_batch(shape, spec, device, dtype)
-    trainer = DrafterTrainer(drafter, embed, head, cfg, total_steps=args.warmup + args.steps)
+    parts = SimpleNamespace(embed_tokens=embed, lm_head=head)
+    side = DrafterSide(
+        cfg, parts, Horizon(args.warmup + args.steps, "steps"), device=device, save=False, drafter=drafter
+    )
+
+    def step() -> Any:
+        side.step(0, 0, batch)  # item 0 every time: the same anchors, a steady workload
+        return side.last
+
     impl = resolve_impl(variant.attention, device)
 
     t0 = time.perf_counter()
     for _ in range(args.warmup):
-        trainer.step(batch)
+        step()
     sync(device)
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     graphs = dynamo_graphs()
     metrics = []
-    times = time_calls(lambda: metrics.append(trainer.step(batch)), args.steps, device)
+    times = time_calls(lambda: metrics.append(step()), args.steps, device)
     graphs_during = dynamo_graphs() - graphs if graphs >= 0 else -1
     step_s = statistics.median(times)
     supervised = metrics[-1].num_tokens

@@ -57,14 +57,14 @@ def run_pipeline(args: argparse.Namespace, steps: int, workdir: Path) -> dict:
     argv += ["--log-every", str(max(1, steps // 4)), "--warmup-items", str(max(1, steps // 4))]
     if args.cpu:
         argv.append("--cpu")
-    spawn_local(argv, args.targets + args.drafters, preload=["dflash_trainer.distributed.work_dflash"])
+    spawn_local(argv, args.targets + args.drafters, preload=["dflash_trainer.train.run"])
     return json.loads(metrics.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from dflash_trainer.distributed.plan import measure_standalone
-    from dflash_trainer.distributed.work_dflash import from_bench
+    from dflash_trainer.train.run import setup_from_bench
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     start = time.perf_counter()
-    setup = from_bench(args.size, device, steps=args.warmup + args.iters + 1)
+    setup = setup_from_bench(args.size, device, steps=args.warmup + args.iters + 1)
     s = measure_standalone(setup, device, warmup=args.warmup, iters=args.iters)
     result["standalone"] = s.as_dict()
     result["standalone_s"] = time.perf_counter() - start

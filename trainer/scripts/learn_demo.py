@@ -18,7 +18,7 @@ import torch
 from dflash_trainer.config import load_config
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
-from dflash_trainer.train.loop import Run
+from dflash_trainer.train.run import Run
 
 CONFIG = """
 [model]
@@ -81,22 +81,24 @@ def main() -> None:
     (work / "train.toml").write_text(CONFIG.format(mask=TINY_MASK_TOKEN_ID, steps=args.steps))
     run = Run(load_config(work / "train.toml"))
     print(
-        f"tiny target, {run.reader.num_rows} training and 32 held-out rows: {time.perf_counter() - t0:.0f} s"
+        f"tiny target, {run.setup.num_rows} training and 32 held-out rows: {time.perf_counter() - t0:.0f} s"
     )
 
     show("untrained drafter", run.evaluate())
     t0 = time.perf_counter()
-    while run.step < args.steps:
-        m = run.train_step()
+
+    def report(m) -> None:
         if m.step % 50 == 0:
             print(
                 f"step {m.step:4d}  loss {m.loss:.3f}  lr {m.lr:.1e}  "
                 f"train anchor_accept {m.acceptance_length:.2f}"
             )
+
+    run.train(hooks=[report])
     print(f"{args.steps} steps in {time.perf_counter() - t0:.0f} s")
     show(f"after {args.steps} steps", run.evaluate())
     # The EMA (CPU, fp32) evaluated by loading it into the drafter: what an export --from ema would serve.
-    run.drafter.load_state_dict(run.ema.weights(), strict=True)
+    run.drafter.drafter.load_state_dict(run.drafter.ema.weights(), strict=True)
     show("EMA of the weights", run.evaluate())
 
 

@@ -31,9 +31,7 @@ def test_tiny_dflash_one_target_two_drafters(tiny_target, tmp_path: Path) -> Non
         topology={"targets": 1, "drafters": 2},
     )
     out = tmp_path / "metrics.json"
-    spawn_local(
-        [str(config), "--metrics-out", str(out)], 3, preload=["dflash_trainer.distributed.work_dflash"]
-    )
+    spawn_local([str(config), "--metrics-out", str(out)], 3, preload=["dflash_trainer.train.run"])
 
     ranks = sorted(json.loads(out.read_text())["ranks"], key=lambda r: r["rank"])
     assert [(r["role"], r["items"]) for r in ranks] == [("target", 8), ("drafter", 4), ("drafter", 4)]
@@ -42,4 +40,4 @@ def test_tiny_dflash_one_target_two_drafters(tiny_target, tmp_path: Path) -> Non
     assert torch.isfinite(torch.tensor([d1["loss"], d2["loss"]])).all()
     [ckpt] = list_checkpoints(tmp_path / "ckpt")
     state, _ = load_checkpoint(ckpt)
-    assert state["trainer"]["step"] == 4 and state["pipeline"]["next_item"] == 8
+    assert state["trainer"]["step"] == 4 and state["position"]["next_item"] == 8

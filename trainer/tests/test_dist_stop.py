@@ -12,11 +12,9 @@ import pytest
 import torch.distributed as dist
 from test_data import first_tokens, make_shards
 
-from dflash_trainer.config import TopologyConfig
 from dflash_trainer.data.shards import ShardReader, split_held_out
 from dflash_trainer.distributed.stopping import StopSignal, drain_end
-from dflash_trainer.distributed.work_dflash import anchor_seed
-from dflash_trainer.service.pipeline import wants_pipeline
+from dflash_trainer.train.run import anchor_seed
 
 
 def test_drain_end_bounds_what_is_in_flight() -> None:
@@ -45,6 +43,13 @@ def test_stop_signal_any_rank_asks_the_leader_decides() -> None:
     assert leader.decide(5) == 5  # decided once
 
 
+def test_a_lone_drafter_stops_before_the_step_it_is_at() -> None:
+    store, flag = dist.HashStore(), threading.Event()
+    leader = StopSignal(store, flag)
+    flag.set()
+    assert leader.decide(7, alone=True) == 7  # no other drafter can be inside step 7
+
+
 def test_state_at_is_where_iteration_gets(tmp_path: Path) -> None:
     train, _ = split_held_out(make_shards(tmp_path / "d"), held_out=2)
     straight = first_tokens(itertools.islice(ShardReader(train, seed=5, shuffle_window=3), 60))
@@ -56,13 +61,6 @@ def test_state_at_is_where_iteration_gets(tmp_path: Path) -> None:
 
 def test_anchor_seed_depends_on_the_item_only() -> None:
     assert anchor_seed(0, 7) == anchor_seed(0, 7) != anchor_seed(0, 8) != anchor_seed(1, 7)
-
-
-def test_serve_runs_the_pipeline_for_more_than_one_rank() -> None:
-    assert not wants_pipeline(TopologyConfig(), 1)
-    assert not wants_pipeline(TopologyConfig(targets=1, drafters=1), 1)  # the lab: 1:1 named, one launched
-    assert wants_pipeline(TopologyConfig(), 2)
-    assert wants_pipeline(TopologyConfig(targets=1, drafters=1), 2)
 
 
 # ---- real topologies: a stop on one rank or on all, at a random moment ----
@@ -77,7 +75,7 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
     )  # fmt: skip
     import logging
 
-    from dflash_trainer.distributed.launch import Control, build_parser, run
+    from dflash_trainer.distributed.launch import Control, build_parser, options_from_args, run_rank
 
     logging.basicConfig(level=logging.INFO, format=f"rank {local_rank}: %(message)s")
     stop = threading.Event()
@@ -86,8 +84,8 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
         if local_rank in stop_ranks:  # "SIGTERM" a moment into the run
             threading.Timer(0.5 + 0.1 * local_rank, stop.set).start()
 
-    args = build_parser().parse_args(argv)
-    if run(args, Control(stop=stop, on_ready=on_ready, on_step=None)):
+    options = options_from_args(build_parser().parse_args(argv))
+    if run_rank(None, options, Control(stop=stop, on_ready=on_ready, on_step=None)):
         raise SystemExit(1)
 
 

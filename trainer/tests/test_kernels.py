@@ -126,3 +126,68 @@ def test_hybrid_target_forward_with_fla_conv_equals_torch_conv(tiny_target, monk
     monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", modeling_qwen3_5.causal_conv1d_fn.torch_impl)
     slow = target.capture(ids).context.float()
     torch.testing.assert_close(fast, slow, atol=5e-2, rtol=5e-2)
+
+
+# ---- bad inputs for the GPU path: one line naming the thing at fault, before any model loads ----
+
+
+def _hybrid_ctx(tmp_path, text: dict, **facts):
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    cfg = SimpleNamespace(model=SimpleNamespace(target_path=Path(tmp_path)))
+    ctx = preflight.Context(tmp_path / "train.toml", 1, cfg=cfg)  # type: ignore[arg-type]
+    ctx.facts.update(hybrid=True, **facts)
+    return ctx
+
+
+def test_a_hybrid_target_without_its_gated_deltanet_shape_is_named(tmp_path):
+    ctx = _hybrid_ctx(tmp_path, {"linear_num_key_heads": 16, "linear_key_head_dim": 128}, device="cuda")
+    with pytest.raises(preflight.Failed, match=r"config\.json: hybrid .*no linear_num_value_heads"):
+        preflight.hybrid_shape(ctx.cfg.model.target_path)
+
+
+def test_fla_missing_for_a_hybrid_target_fails_on_cuda_only(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real(name, *a)
+    )
+    with pytest.raises(preflight.Failed, match="flash-linear-attention is not installed") as e:
+        preflight.check_fla(_hybrid_ctx(tmp_path, {}, device="cuda"))
+    assert "layer L3" in e.value.fix
+    with pytest.raises(preflight.Skipped, match="torch kernels"):
+        preflight.check_fla(_hybrid_ctx(tmp_path, {}, device="cpu"))
+
+
+def test_a_gpu_too_small_for_target_and_drafter_is_named(monkeypatch, tmp_path):
+    """One rank on a 96 GB GPU holding the 51 GiB target and the 1.7B reference drafter: refused, naming the
+    GPU, what is free and what a rank needs."""
+    from dflash_trainer.config import load_config
+
+    GiB = 1 << 30
+    cfg = load_config(preflight_config_path(), check_paths=False)
+    from dflash_trainer.config import TargetInfo, validate
+
+    validate(cfg, target=TargetInfo(64, 5120, 17408, 248320, 24, 4, 256))
+    cfg.topology.targets = cfg.topology.drafters = "auto"  # one process: target and drafter on one GPU
+    ctx = preflight.Context(tmp_path / "x.toml", 1, cfg=cfg)
+    ctx.facts.update(model_bytes=51 * GiB, target=object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (94 * GiB, 95 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "RTX PRO 6000")
+    cfg.train.device = "cuda"
+    with pytest.raises(
+        preflight.Failed, match=r"GPU 0: 94.0 of 95.0 GiB free; a rank needs about 9\d\.\d GiB"
+    ):
+        preflight.check_devices(ctx)
+
+
+def preflight_config_path():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1] / "configs" / "reference.toml"

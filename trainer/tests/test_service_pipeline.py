@@ -95,7 +95,7 @@ def test_serve_pipeline_notifies_stops_and_resumes_exactly(tiny_target, tmp_path
     assert statuses[0].startswith("STATUS=step 1 loss ") and " tok/s lr " in statuses[0]
     reached = load_checkpoint(latest_checkpoint(tmp_path / "b"))[0]
     step = reached["trainer"]["step"]
-    assert 3 <= step < STEPS and reached["pipeline"]["next_item"] == step, log
+    assert 3 <= step < STEPS and reached["position"]["next_item"] == step, log
     assert f"stopped at step {step}" in log and "all 2 rank(s) stopped cleanly" in log
     assert stop_s < 30, f"{stop_s:.1f} s from SIGTERM to exit"
     print(f"stopped at step {step}, {stop_s:.1f} s after SIGTERM")
@@ -107,7 +107,7 @@ def test_serve_pipeline_notifies_stops_and_resumes_exactly(tiny_target, tmp_path
     a, a_ema = load_checkpoint(latest_checkpoint(tmp_path / "a"))
     b, b_ema = load_checkpoint(latest_checkpoint(tmp_path / "b"))
     assert a["trainer"]["step"] == b["trainer"]["step"] == STEPS
-    assert a["pipeline"] == b["pipeline"] and a["data"] == b["data"]
+    assert a["position"] == b["position"] and a["data"] == b["data"]
     for name, tensor in a["trainer"]["drafter"].items():
         assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
     for name, tensor in a_ema["shadow"].items():

@@ -76,3 +76,23 @@ def test_api_check_names_a_missing_parameter():
 def test_installed_trackers_match_the_api_the_code_calls():
     assert trackers.check_api(trackers.WANDB_NEEDS) == []
     assert trackers.check_api(trackers.TENSORBOARD_NEEDS) == []
+
+
+def test_process_start_time_counts_from_the_process_start():
+    """The "ready" line counts from the rank's process start (interpreter and imports included), not from
+    when the service code began timing."""
+    import subprocess
+    import time
+
+    from dflash_trainer.service.run import process_started
+
+    before = time.time()
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        time.sleep(1.5)
+        started = process_started(child.pid)
+        assert before - 1.5 <= started <= before + 1.0, (before, started)  # btime: whole seconds
+    finally:
+        child.kill()
+        child.wait()
+    assert process_started() < before  # this test process started earlier still

@@ -52,7 +52,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dflash_trainer.train.loop import train
+    from dflash_trainer.train.run import train
 
     cfg = load_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

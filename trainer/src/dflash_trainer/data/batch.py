@@ -1,4 +1,4 @@
-"""Rows to padded tensors."""
+"""Rows to padded tensors, and the TargetBatch a target hands to the drafter step (no transformers import)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ class Batch:
         return Batch(
             *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.loss_mask))
         )
+
+
+@dataclass
+class TargetBatch:
+    """What the frozen target produces and the drafter step consumes, in one process or over the wire."""
+
+    input_ids: torch.Tensor  # Long[B,T]
+    loss_mask: torch.Tensor  # Bool[B,T]: supervised tokens
+    context: torch.Tensor  # [B,T,K*H]: outputs of the target layers, in target_layer_ids order
 
 
 def collate(samples: Sequence[Sample], seq_len: int) -> Batch:

@@ -215,8 +215,10 @@ class PeerMonitor:
 def log_failure(me: Identity, exc: BaseException, device: torch.device | str) -> str:
     """The log format puts `rank R (role, device on host): ` before the message (launch._setup_logging)."""
     cause = describe(exc, device)
-    tb = "".join(traceback.format_exception(exc))
-    log.critical("%s\n%s", cause, tb)
+    if getattr(exc, "one_line", False):  # an error whose message says it all (checkpoint.CheckpointError)
+        log.critical("%s", cause)
+    else:
+        log.critical("%s\n%s", cause, "".join(traceback.format_exception(exc)))
     exc.__dflash_reported__ = True  # type: ignore[attr-defined]  # the excepthook need not log it again
     return cause
 

@@ -1,8 +1,11 @@
-"""Entry point of every rank: `torchrun ... -m dflash_trainer.distributed.launch CONFIG [options]`.
+"""Every rank of the pipeline: `torchrun ... -m dflash_trainer.distributed.launch CONFIG [options]`, or
+`run_rank(cfg, options, control)` from `dflash-train serve` (service/run.py), with the configuration object
+that rank already loaded and validated: it is loaded once per rank and never rebuilt from argv.
 
-Sets up the process groups, takes the rank's role, runs its loop, and at the end gathers every rank's
-metrics to rank 0, which prints the summary table and draws the timeline. Any failure is logged as
-`rank R (role, device on host): cause` and ends the job (see failure.py).
+Sets up the process groups, takes the rank's role, builds its side of the run (train/run.py: TargetSide on
+target ranks, DrafterSide on drafter ranks), agrees on where to resume, runs its loop (roles.py), and at the
+end gathers every rank's metrics to rank 0, which prints the summary table and draws the timeline. Any
+failure is logged as `rank R (role, device on host): cause` and ends the job (see failure.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,13 +39,45 @@ from dflash_trainer.distributed.failure import (
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
 from dflash_trainer.distributed.stopping import StopSignal
-from dflash_trainer.distributed.topology import Role, resolve_topology
+from dflash_trainer.distributed.topology import Role, Topology, resolve_topology
+
+if TYPE_CHECKING:
+    from dflash_trainer.config import TrainConfig
 
 log = logging.getLogger("dflash_trainer.distributed")
 
 
 def _count(text: str) -> int | str:
     return text if text == "auto" else int(text)
+
+
+@dataclass
+class RankOptions:
+    """How a rank runs, beside the training configuration (the service sets these from the config)."""
+
+    synthetic: bool = False  # the model-free stand-in workload (CI)
+    bench: str | None = None  # random models of a bench size
+    targets: int | str | None = None  # override [topology]
+    drafters: int | str | None = None
+    steps: int | None = None  # the horizon in drafter steps (bench, synthetic; default: the config's)
+    max_steps: int | None = None  # stop (and save) at this optimizer step; the schedule keeps its horizon
+    resume: bool = False
+    depth: int = 2
+    log_every: int = 10
+    warmup_items: int = 0
+    timeline: Path | None = None
+    metrics_out: Path | None = None
+    timeout_s: float = 300.0
+    startup_timeout_s: float = 1800.0
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 15.0
+    cpu: bool = False
+    # synthetic workload knobs
+    seq_len: int = 32
+    rows: int = 2
+    features: int = 16
+    target_s: float = 0.0
+    drafter_s: float = 0.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,9 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def options_from_args(args: argparse.Namespace) -> RankOptions:
+    names = {f.name for f in dataclasses.fields(RankOptions)}
+    return RankOptions(**{k: v for k, v in vars(args).items() if k in names})
+
+
 @dataclass
 class Control:
-    """What `dflash-train serve` adds to a rank (service/pipeline.py); plain torchrun launches pass none."""
+    """What `dflash-train serve` adds to a rank (service/run.py); plain torchrun launches pass none."""
 
     stop: threading.Event  # set on SIGTERM: the ranks agree on a stop step (stopping.py), save, return 0
     on_ready: Callable[[], None]  # every rank, once all ranks have loaded (and resumed)
@@ -88,7 +128,7 @@ class Control:
 
 
 class _Observed:
-    """The drafter leader's consumer, reporting each step's metrics (tokens/s of the whole pipeline)."""
+    """The drafter leader's side, reporting each step's metrics (tokens/s of the whole pipeline)."""
 
     def __init__(self, inner: Any, on_step: Callable[[Any], None], num_drafters: int) -> None:
         self.inner, self.on_step, self.num_drafters = inner, on_step, num_drafters
@@ -121,63 +161,130 @@ def _setup_logging(me: Identity) -> None:
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
 
 
-def _build(
-    args: argparse.Namespace, role: Role, device: torch.device, drafters: dist.ProcessGroup, topo: Any
-):
-    """(producer or consumer, wire format, steps, start step) for this rank's role."""
-    if args.synthetic:
-        from dflash_trainer.distributed.work_synthetic import (
-            SyntheticConsumer,
-            SyntheticProducer,
-            SyntheticSpec,
-        )
-
-        spec = SyntheticSpec(
-            args.rows, args.seq_len, args.features, target_s=args.target_s, drafter_s=args.drafter_s
-        )
-        work = (
-            SyntheticProducer(spec, device)
-            if role is Role.TARGET
-            else SyntheticConsumer(spec, device, drafters)
-        )
-        return work, spec.wire, args.steps or 20, 0
-    from dflash_trainer.distributed.work_dflash import build_dflash
-
-    return build_dflash(args, role, device, drafters, topo)
+@dataclass
+class Built:
+    work: Any  # the rank's side: a Producer (target) or a Consumer (drafter)
+    wire: Any  # transport.WireFormat
+    start: int  # first pipeline step
+    stop: int  # end pipeline step (exclusive)
+    between: Callable[[int | None], None] | None = None  # target rank 0: evaluations before an item
 
 
-def _topology_counts(args: argparse.Namespace) -> tuple[Any, Any]:
-    targets, drafters = "auto", "auto"
-    if args.config is not None:
-        from dflash_trainer.config import load_config
+def _build_synthetic(opts: RankOptions, role: Role, device: torch.device, drafters: Any) -> Built:
+    from dflash_trainer.distributed.work_synthetic import SyntheticConsumer, SyntheticProducer, SyntheticSpec
 
-        cfg = load_config(args.config, check_paths=False)
-        targets, drafters = cfg.topology.targets, cfg.topology.drafters
-    return (args.targets or targets), (args.drafters or drafters)
+    spec = SyntheticSpec(
+        opts.rows, opts.seq_len, opts.features, target_s=opts.target_s, drafter_s=opts.drafter_s
+    )
+    work = (
+        SyntheticProducer(spec, device) if role is Role.TARGET else SyntheticConsumer(spec, device, drafters)
+    )
+    return Built(work, spec.wire, 0, opts.steps or 20)
 
 
-def _report(summaries: list[RankSummary], args: argparse.Namespace) -> None:
+def _build_dflash(
+    cfg: TrainConfig | None,
+    opts: RankOptions,
+    rank: int,
+    topo: Topology,
+    device: torch.device,
+    groups: dict[str, Any],
+    stopper_box: list[Any],
+) -> Built:
+    """This rank's side of the run, resumed where the drafter leader's newest checkpoint says."""
+    from dflash_trainer.distributed.transport import WireFormat
+    from dflash_trainer.train import run as tr
+
+    if opts.bench:
+        setup = tr.setup_from_bench(opts.bench, device, opts.steps or 20)
+    else:
+        assert cfg is not None
+        setup = tr.setup_from_config(cfg, device)
+    cfg = setup.cfg
+    hz = tr.Horizon(opts.steps, "steps") if opts.steps else tr.horizon(cfg, setup.num_rows)
+    role, index, m = topo.role(rank), topo.index(rank), topo.num_drafters
+    leader = topo.drafter_ranks[0]
+    if role is Role.TARGET:
+        work: Any = tr.TargetSide(setup, evaluates=index == 0 and not opts.bench)
+    else:
+        work = tr.DrafterSide(
+            cfg, tr.head_only(setup), hz, device=device, index=index, num_drafters=m,
+            group=groups["drafters"], save=not opts.bench, data_state=setup.data_state,
+        )  # fmt: skip
+    wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
+
+    # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
+    box: list[Any] = [None]
+    if opts.resume and not opts.bench and rank == leader:
+        path = tr.find_resume(cfg)
+        if path is not None:
+            box[0] = (str(path), work.resume(path))
+    dist.broadcast_object_list(box, src=leader, group=groups["gloo"])
+    position = tr.Position()
+    if box[0] is not None:
+        path, position = box[0]
+        if role is Role.DRAFTER and rank != leader:
+            work.resume(Path(path))
+    first, end, offset = position.span(hz, m, opts.max_steps)
+    if role is Role.TARGET:
+        work.start_at(first * m, position.data)
+        if position.step:
+            log.info("resuming at item %d (%s)", first * m, box[0][0])
+    else:
+        work.offset = offset
+    built = Built(work, wire, first, end)
+
+    evaluating = bool(cfg.train.eval_every) and not opts.bench
+    if evaluating:
+        exchange = tr.EvalExchange(groups["store"](), groups["eval"], leader, offset, cfg, m)
+        if rank == leader:
+            work.exchange = exchange
+        elif rank == topo.target_ranks[0]:
+            replica = tr.eval_replica(work)
+            due = [p for p in range(first, end) if exchange.due(p)]
+
+            def stop_step() -> int | None:
+                return stopper_box[0].poll() if stopper_box and stopper_box[0] is not None else None
+
+            def between(item: int | None) -> None:
+                """Before making `item` (None: at the end), the evaluations of every earlier step."""
+                bound = end if item is None else min(end, item // m)
+                while due and due[0] < bound:
+                    p = due.pop(0)
+                    exchange.receive_and_evaluate(p, work, replica, stop_step)
+
+            built.between = between
+    return built
+
+
+def _topology(cfg: TrainConfig | None, opts: RankOptions, world: int) -> Topology:
+    targets = opts.targets or (cfg.topology.targets if cfg is not None else "auto")
+    drafters = opts.drafters or (cfg.topology.drafters if cfg is not None else "auto")
+    return resolve_topology(world, targets, drafters)
+
+
+def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
     print(summary_table(summaries), flush=True)
-    if args.timeline:
+    if opts.timeline:
         from dflash_trainer.distributed.timeline import plot_timeline
 
-        log.info("timeline: %s", plot_timeline(summaries, args.timeline))
-    if args.metrics_out:
+        log.info("timeline: %s", plot_timeline(summaries, opts.timeline))
+    if opts.metrics_out:
         data = {
             "pipeline_tokens_per_s": pipeline_tokens_per_s(summaries),
             "ranks": [
                 {k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries
             ],
         }
-        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics_out.write_text(json.dumps(data, indent=1))
+        opts.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.metrics_out.write_text(json.dumps(data, indent=1))
 
 
-def run(args: argparse.Namespace, control: Control | None = None) -> int:
+def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None = None) -> int:
+    """This rank of the job, under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device, backend = _device(args.cpu)
-    targets, drafters = _topology_counts(args)
-    topo = resolve_topology(world, targets, drafters)
+    device, backend = _device(opts.cpu)
+    topo = _topology(cfg, opts, world)
     role = topo.role(rank)
     me = Identity(rank, role.value, str(device), socket.gethostname())
     if control is None:
@@ -186,11 +293,11 @@ def run(args: argparse.Namespace, control: Control | None = None) -> int:
         from dflash_trainer.service.logs import set_role
 
         set_role(role.value)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.startup_timeout_s))
-    monitor = PeerMonitor(me, world, interval=args.heartbeat_s, dead_after=args.dead_after_s).start()
+    dist.init_process_group(backend, timeout=timedelta(seconds=opts.startup_timeout_s))
+    monitor = PeerMonitor(me, world, interval=opts.heartbeat_s, dead_after=opts.dead_after_s).start()
     install_excepthooks(me, device, monitor)
     try:
-        return _run_role(args, rank, topo, role, me, device, backend, monitor, control)
+        return _run_role(cfg, opts, rank, topo, role, me, device, backend, monitor, control)
     except BaseException as exc:
         handle_failure(me, exc, device, monitor)
         raise  # to torchrun's @record: the error file it reports as the root cause
@@ -199,13 +306,32 @@ def run(args: argparse.Namespace, control: Control | None = None) -> int:
 
 
 def _run_role(
-    args, rank, topo, role, me, device, backend, monitor: PeerMonitor, control: Control | None
+    cfg,
+    opts: RankOptions,
+    rank,
+    topo,
+    role,
+    me,
+    device,
+    backend,
+    monitor: PeerMonitor,
+    control: Control | None,
 ) -> int:
-    running = timedelta(seconds=args.timeout_s)
+    running = timedelta(seconds=opts.timeout_s)
     # Every rank creates every group, in the same order (torch.distributed requires it).
-    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.startup_timeout_s))
-    pipe = dist.new_group(timeout=running, backend=backend)
-    drafters = dist.new_group(topo.drafter_ranks, timeout=running, backend=backend)
+    groups: dict[str, Any] = {
+        "gloo": dist.new_group(backend="gloo", timeout=timedelta(seconds=opts.startup_timeout_s)),
+        "pipe": dist.new_group(timeout=running, backend=backend),
+        "drafters": dist.new_group(topo.drafter_ranks, timeout=running, backend=backend),
+        "store": monitor.job_store,
+    }
+    evaluating = cfg is not None and cfg.train.eval_every and not (opts.synthetic or opts.bench)
+    if evaluating:  # drafter weights from the leader to target rank 0 at evaluation steps
+        # The first evaluation waits on target 0 loading: the startup timeout, not the running one.
+        eval_ranks = [topo.target_ranks[0], topo.drafter_ranks[0]]
+        groups["eval"] = dist.new_group(
+            eval_ranks, timeout=timedelta(seconds=opts.startup_timeout_s), backend=backend
+        )
     log.info(
         "pid %d, local rank %s: %s %d of %d:%d; loading",
         os.getpid(),
@@ -215,24 +341,24 @@ def _run_role(
         topo.num_targets,
         topo.num_drafters,
     )
-    work, wire, steps, start = _build(args, role, device, drafters, topo)
+    stopper_box: list[Any] = [None]
+    if opts.synthetic:
+        built = _build_synthetic(opts, role, device, groups["drafters"])
+    else:
+        built = _build_dflash(cfg, opts, rank, topo, device, groups, stopper_box)
     wires: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(wires, (str(me), dataclasses.astuple(wire)), group=gloo)
+    dist.all_gather_object(wires, (str(me), dataclasses.astuple(built.wire)), group=groups["gloo"])
     if len({w[1] for w in wires}) != 1:
         raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
-    if args.resume and not (args.synthetic or args.bench):
-        from dflash_trainer.distributed.work_dflash import agree_on_start
-
-        start = agree_on_start(work, topo, gloo, rank)
-    dist.barrier(group=gloo)  # everyone loaded: the running timeout applies from here
-    stopper = None
+    dist.barrier(group=groups["gloo"])  # everyone loaded: the running timeout applies from here
+    work, stopper = built.work, None
     if control is not None:
         control.on_ready()
-        stopper = StopSignal(monitor.job_store(), control.stop)
+        stopper = stopper_box[0] = StopSignal(monitor.job_store(), control.stop)
         if control.on_step is not None and rank == topo.drafter_ranks[0]:
             work = _Observed(work, control.on_step, topo.num_drafters)
-    meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=args.warmup_items)
-    span = RunSpan(start, steps, args.depth, args.log_every)
+    meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=opts.warmup_items)
+    span = RunSpan(built.start, built.stop, opts.depth, opts.log_every)
     fault = fault_from_env()
 
     def say(text: str) -> None:
@@ -240,16 +366,31 @@ def _run_role(
 
     extra: dict[str, Any] = {}
     if role is Role.TARGET:
-        run_target(rank, topo, work, wire, pipe, span, meter, device, fault, say, stopper)
+        run_target(
+            rank,
+            topo,
+            work,
+            built.wire,
+            groups["pipe"],
+            span,
+            meter,
+            device,
+            fault,
+            say,
+            stopper,
+            built.between,
+        )
     else:
-        extra = run_drafter(rank, topo, work, wire, pipe, span, meter, device, fault, say, stopper)
+        extra = run_drafter(
+            rank, topo, work, built.wire, groups["pipe"], span, meter, device, fault, say, stopper
+        )
     summary = meter.summary(**extra)
     gathered: list[Any] | None = [None] * topo.world_size if rank == 0 else None
-    dist.gather_object(summary, gathered, dst=0, group=gloo)
+    dist.gather_object(summary, gathered, dst=0, group=groups["gloo"])
     if rank == 0:
-        _report(list(gathered), args)
+        _report(list(gathered), opts)
     monitor.done()  # before the last barrier: rank 0 may host the store and exit first
-    dist.barrier(group=gloo)
+    dist.barrier(group=groups["gloo"])
     dist.destroy_process_group()
     return 0
 
@@ -259,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.config is None and not (args.synthetic or args.bench):
         raise SystemExit("give a training config, --synthetic or --bench")
-    return run(args)
+    cfg = None
+    if args.config is not None and not (args.synthetic or args.bench):
+        from dflash_trainer.config import load_config
+
+        cfg = load_config(args.config)  # once; every part of this rank gets the object
+    return run_rank(cfg, options_from_args(args))
 
 
 if __name__ == "__main__":

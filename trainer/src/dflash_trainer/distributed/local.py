@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.launch"]
+PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.launch", "dflash_trainer.train.run"]
 
 
 def free_port() -> int:
@@ -30,6 +30,10 @@ def _worker(local_rank: int, argv: list[str], world: int, port: int, env: dict[s
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    if "OMP_NUM_THREADS" in env:  # torch was imported by the forkserver, before this environment
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from dflash_trainer.distributed.launch import main
 
     code = main(argv)

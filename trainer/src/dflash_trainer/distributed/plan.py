@@ -87,8 +87,8 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
 
 def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, iters: int) -> tuple:
     """(plain forward s, capture s, captured batch) of one target; the target is dropped on return."""
-    from dflash_trainer.distributed.transport import TargetBatch
-    from dflash_trainer.train.trainer import autocast
+    from dflash_trainer.data.batch import TargetBatch
+    from dflash_trainer.train.run import autocast
 
     cfg = setup.cfg
     target = setup.make_target(cfg.drafter.target_layer_ids)
@@ -115,16 +115,17 @@ def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, i
 
 
 def _measure_drafter(setup: Any, captured: Any, device: torch.device, warmup: int, iters: int) -> float:
-    from dflash_trainer.distributed.work_dflash import DrafterConsumer
+    from dflash_trainer.train.run import DrafterSide, Horizon, head_only
 
-    drafter = DrafterConsumer(setup, device, None, 0, 1, warmup + iters + 1, save=False)
+    hz = Horizon(warmup + iters + 1, "steps")
+    drafter = DrafterSide(setup.cfg, head_only(setup), hz, device=device, save=False)
     steps = iter(range(warmup + iters))
     return _timed(lambda: drafter.step(next(steps), 0, captured), device, warmup, iters)
 
 
 def measure_standalone(setup: Any, device: torch.device, *, warmup: int = 2, iters: int = 5) -> Standalone:
     """One target, then one drafter on `device` (the target is freed before the drafter is built)."""
-    batch = setup.rows(0).to(device)
+    batch = setup.make_rows()(0).to(device)
     tokens = batch.input_ids.numel()
     plain_s, capture_s, captured = _measure_target(setup, batch, device, warmup, iters)
     gc.collect()
@@ -151,7 +152,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from dflash_trainer.distributed.work_dflash import from_bench, from_config
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.run import setup_from_bench, setup_from_config
 
     if args.gpus < 2:
         raise SystemExit("plan: need at least 2 devices (1 target + 1 drafter)")
@@ -160,9 +162,9 @@ def plan_main(args: argparse.Namespace) -> int:
     else:
         device = torch.device(args.device)
     if args.bench:
-        setup = from_bench(args.bench, device, steps=args.warmup + args.iters + 1)
+        setup = setup_from_bench(args.bench, device, steps=args.warmup + args.iters + 1)
     elif args.config is not None:
-        setup = from_config(args.config, device)
+        setup = setup_from_config(load_config(args.config), device)
     else:
         raise SystemExit("plan: give a training config or --bench SIZE")
     s = measure_standalone(setup, device, warmup=args.warmup, iters=args.iters)

@@ -1,4 +1,5 @@
-"""The two loops of the pipeline; what a target makes and what a drafter does with it are the workload's."""
+"""The two loops of the pipeline; what a target makes and what a drafter does with it are the sides' of
+train/run.py (TargetSide, DrafterSide), or the synthetic workload's."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def run_target(
     fault: Fault | None,
     say: Callable[[str], None],
     stopper: StopSignal | None = None,
+    between: Callable[[int | None], None] | None = None,
 ) -> None:
+    """`between(item)` runs before each item is made and `between(None)` at the end (target rank 0's
+    evaluations, train/run.py EvalExchange)."""
     t, m = topo.index(rank), topo.num_drafters
     sender = Sender(wire, group, span.depth, meter, device)
     items = target_items(t, topo.num_targets, span.start_step * m, span.stop_step * m)
@@ -74,6 +78,8 @@ def run_target(
         return at, end
 
     for count, item in enumerate(items):
+        if between is not None:
+            between(item)
         stop = poll()
         captured = None
         if stop is None or step_of(item, m) < stop[0]:
@@ -98,6 +104,8 @@ def run_target(
         meter.count(captured.input_ids.numel())
         if (count + 1) % span.log_every == 0:
             say(f"item {item}: {meter.window()}")
+    if between is not None:
+        between(None)
     sender.flush()
 
 
@@ -125,7 +133,7 @@ def run_drafter(
     step = span.start_step
     while step < span.stop_step:
         if stopper is not None:
-            stop = stopper.decide(step) if d == 0 else stopper.poll()
+            stop = stopper.decide(step, alone=m == 1) if d == 0 else stopper.poll()
             if stop is not None and step >= stop:
                 break
         maybe_inject(fault, rank, step - span.start_step)
@@ -138,5 +146,6 @@ def run_drafter(
         step += 1
     if stop is not None:
         end = drain_end(stop, span.stop_step, span.depth, n, m)
-        say(f"stopped at step {step}: discarded {receiver.drain(end)} item(s) in flight, up to item {end}")
+        discarded = receiver.drain(end)
+        say(f"drained after the stop before pipeline step {step}: {discarded} item(s), up to item {end}")
     return consumer.finish(step) | {"stopped": stop is not None and step < span.stop_step}

@@ -51,10 +51,11 @@ class StopSignal:
             self.step = int(self.store.get(STEP))
         return self.step
 
-    def decide(self, step: int) -> int | None:
-        """The drafter leader at the start of `step`: publishes step + 1 when any rank asked to stop."""
+    def decide(self, step: int, *, alone: bool = False) -> int | None:
+        """The drafter leader at the start of `step`: publishes step + 1 when any rank asked to stop, or
+        `step` itself when it is the only drafter (no other drafter can be inside step `step`)."""
         self._tell()
         if self.step is None and self.store.add(REQUESTED, 0) > 0:
-            self.step = step + 1
+            self.step = step if alone else step + 1
             self.store.set(STEP, str(self.step))
         return self.step

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.distributed.metrics import RankMeter
 
 HEADER = 4  # item, rows, length, magic
@@ -26,16 +27,6 @@ MAGIC = 0x0DF1A5
 
 class TransportError(RuntimeError):
     pass
-
-
-@dataclass
-class TargetBatch:
-    """Field for field model.target.TargetBatch, which the drafter step takes; defined here because importing
-    model.target pulls in transformers (~10 s of CPU per rank), which the model-free CI topology avoids."""
-
-    input_ids: torch.Tensor  # Long[B,T]
-    loss_mask: torch.Tensor  # Bool[B,T]
-    context: torch.Tensor  # [B,T,K*H]
 
 
 @dataclass(frozen=True)

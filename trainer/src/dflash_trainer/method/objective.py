@@ -14,8 +14,8 @@ from dflash_trainer.method.blocks import block_input_ids, block_labels
 from dflash_trainer.method.loss import chunked_block_loss, gamma_for_block_size, position_weights
 
 if TYPE_CHECKING:
+    from dflash_trainer.data.batch import TargetBatch
     from dflash_trainer.model.drafter import DFlashDrafter
-    from dflash_trainer.model.target import TargetBatch
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model.kernels import install_device_dispatch
 
 log = logging.getLogger("dflash_trainer.target")
@@ -34,13 +34,6 @@ CAUSAL_LM_CLASSES: dict[str, type[PreTrainedModel]] = {
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
 }
-
-
-@dataclass
-class TargetBatch:
-    input_ids: torch.Tensor  # Long[B,T]
-    loss_mask: torch.Tensor  # Bool[B,T]: supervised tokens
-    context: torch.Tensor  # [B,T,K*H]: outputs of the target layers, in target_layer_ids order
 
 
 def read_text_config(path: str | Path) -> PreTrainedConfig:

@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(role="launcher")
     n = args.nproc_per_node
     port = _free_port()
+    from dflash_trainer.service.run import process_started
+
+    launched = process_started()  # the ranks' "ready" line counts from here
     me = os.getpid()
     procs: dict[int, subprocess.Popen] = {}
     stopping = False
@@ -91,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "DFLASH_NPROC": str(n),
+            "DFLASH_LAUNCH_T0": str(launched),
         }
         cmd = [sys.executable, "-m", "dflash_trainer.service", *command]
         procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(me))

@@ -219,7 +219,7 @@ def check_devices(ctx: Context) -> str:
         raise Failed(
             f"topology has {topo.targets} target + {topo.drafters} drafter ranks = {wanted}, "
             f"the launch starts {ctx.nproc}",
-            "set trainer_service_nproc (--nproc-per-node of the unit) to their sum, or fix [topology]",
+            "the unit starts [topology]'s targets + drafters ranks: re-run make provision after changing it",
         )
     model = ctx.facts.get("model_bytes", 0)
     # A drafter rank holds fp32 weights, gradients and two AdamW moments (16 bytes a parameter) plus
@@ -467,9 +467,16 @@ def check_trackers(ctx: Context) -> str:
     return f"{', '.join(done)}: import, API and an offline start OK"
 
 
+def _mask_token_check(ctx: Context) -> str:
+    from dflash_trainer.service.mask_token import preflight_check
+
+    return preflight_check(ctx)
+
+
 CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("config", check_config),
     ("model", check_model),
+    ("mask", _mask_token_check),
     ("shards", check_shards),
     ("devices", check_devices),
     ("disk", check_disk),

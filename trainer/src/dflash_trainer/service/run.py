@@ -1,19 +1,19 @@
 """`dflash-train serve CONFIG`: one rank of the training job as systemd sees it.
 
-Builds the run through train/loop.py's public API (`train(cfg, hooks=..., stop=...)`), and wires:
-READY=1 once the target, drafter, data and the newest checkpoint are loaded; STATUS= (step, loss, tokens/s)
-and WATCHDOG=1 from the loop's own per-step hook, so a hung step or collective misses the ping; trackers
-behind SafeTracker; SIGTERM -> the loop saves a checkpoint at the end of the current step -> exit 0.
-Every start resumes from the newest checkpoint in train.checkpoint_dir (the loop does it).
-A topology of more than one rank runs this rank's pipeline role instead, with the same behaviour
-(service/pipeline.py); the first drafter rank is then the one that speaks to systemd.
+The configuration is loaded and validated once, here, and the object handed to the run: this rank's role of
+the pipeline (distributed/launch.py `run_rank`, the sides of train/run.py) when the launcher started more
+than one rank, else the 1:1 pipeline in this one process (train/run.py `train`). The same run either way:
+READY=1 once every rank has loaded the target, drafter, data and the newest checkpoint; STATUS= (step, loss,
+tokens/s) and WATCHDOG=1 from the drafter leader's per-step hook (it waits on every target through its
+receives and on every drafter through DDP, so a hang anywhere stops the ping); trackers behind SafeTracker
+on that rank only; SIGTERM on any rank -> the ranks agree on a stop step (distributed/stopping.py), the
+leader saves, every rank exits 0. Every start resumes from the newest checkpoint in train.checkpoint_dir.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import inspect
 import json
 import logging
 import os
@@ -40,7 +40,7 @@ class ServiceHooks:
         self.cfg, self.notifier, self.stop, self.trackers = cfg, notifier, stop, trackers
         self.pause_at = pause_at
         self.ready = False
-        self.started = time.time()
+        self.started = process_started()
         self.first_step_at: float | None = None
         self.first_step: int | None = None
         self.steps = 0
@@ -54,7 +54,14 @@ class ServiceHooks:
         self.ready = True
         self.notifier.ready(status="loaded; training")
         self.notifier.watchdog(force=True)
-        log.info("ready: models and data loaded in %.1f s", time.time() - self.started)
+        now = time.time()
+        since = (
+            f"{now - self.started:.1f} s after this rank's process started (interpreter, imports included)"
+        )
+        launched = os.environ.get("DFLASH_LAUNCH_T0")
+        if launched:
+            since += f", {now - float(launched):.1f} s after the launcher started"
+        log.info("ready: target, drafter, data and the newest checkpoint loaded on every rank; %s", since)
 
     def __call__(self, m) -> None:
         if not self.ready:  # the loop has no ready hook: the first finished step proves everything loaded
@@ -121,10 +128,47 @@ class ServiceHooks:
         }
 
 
-def _ready_kwargs(train_fn, hooks: ServiceHooks) -> dict:
-    """READY right after load when the loop offers a ready callback; else at the first step (see __call__)."""
-    params = inspect.signature(train_fn).parameters
-    return {"on_ready": hooks.on_ready} if "on_ready" in params else {}
+def process_started(pid: int | str = "self") -> float:
+    """Epoch seconds this process started (from /proc: the interpreter's start-up and imports count)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def leader_rank(cfg, world: int) -> int:
+    """The rank that speaks to systemd: the first drafter of a pipeline, else rank 0 (one process)."""
+    if world < 2:
+        return 0
+    from dflash_trainer.distributed.topology import resolve_topology
+
+    return resolve_topology(world, cfg.topology.targets, cfg.topology.drafters).drafter_ranks[0]
+
+
+def named_ranks(cfg) -> int | None:
+    t = cfg.topology
+    return t.targets + t.drafters if isinstance(t.targets, int) and isinstance(t.drafters, int) else None
+
+
+def serve_pipeline(cfg, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
+    """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job)."""
+    from dflash_trainer.distributed.launch import Control, RankOptions, run_rank
+
+    options = RankOptions(
+        resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"
+    )
+    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,49 +200,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     from dflash_trainer.config import ConfigError, load_config
-    from dflash_trainer.service.pipeline import (
-        leader_rank,
-        named_ranks,
-        serve_pipeline,
-        wants_pipeline,
-        world_size,
-    )
 
     try:
-        cfg = load_config(args.config)
-        pipeline = wants_pipeline(cfg.topology, world_size())
+        cfg = load_config(args.config)  # once per rank; the run gets the object
+        pipeline = world_size() > 1
         speaker = leader_rank(cfg, world_size())
     except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
-    if not pipeline and named_ranks(cfg.topology) > 1:
-        log.warning(
-            "[topology] names %d ranks but 1 was launched: running the single-process loop "
-            "(launch --nproc-per-node %d for the pipeline)",
-            named_ranks(cfg.topology),
-            named_ranks(cfg.topology),
+    if not pipeline and (named_ranks(cfg) or 1) > 1:
+        log.info(
+            "[topology] names %d ranks, 1 was launched: target and drafter in this one process (the 1:1 "
+            "pipeline without the transport)",
+            named_ranks(cfg),
         )
     # One rank speaks to systemd: rank 0 of a single-process run; of a pipeline the first drafter, which
     # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
     notifier = voice[0] = Notifier() if rank() == speaker else Notifier({})
 
     from dflash_trainer.service.trackers import start_trackers
-    from dflash_trainer.train.loop import train
+    from dflash_trainer.train.run import train
 
     trackers = start_trackers(cfg) if rank() == speaker else []
     hooks = ServiceHooks(cfg, notifier, stop, trackers, pause_at=args.pause_at)
     hooks_box.append(hooks)
     notifier.status("loading target, drafter, data and the newest checkpoint")
+    from dflash_trainer.checkpoint import CheckpointError
+
     code = 0
     try:
         if pipeline:
-            serve_pipeline(args.config, cfg, hooks, stop, max_steps=args.max_steps)
+            serve_pipeline(cfg, hooks, stop, max_steps=args.max_steps)
             step = hooks.last.step if hooks.last else None
             how = "stopped" if stop.is_set() else "finished"
-            log.info("%s%s", how, f" at step {step}" if step is not None else "")
+            if step is not None:  # the drafter leader: the one that saved
+                from dflash_trainer.checkpoint import latest_checkpoint
+
+                where = latest_checkpoint(cfg.train.checkpoint_dir) or "no checkpoint"
+                log.info("%s at step %d; checkpoint %s", how, step, where)
+            else:
+                log.info("%s", how)
         else:
-            kwargs = _ready_kwargs(train, hooks)
-            result = train(cfg, max_steps=args.max_steps, hooks=[hooks], stop=stop, **kwargs)
+            result = train(cfg, max_steps=args.max_steps, hooks=[hooks], stop=stop, on_ready=hooks.on_ready)
             how, step = ("stopped" if result.stopped else "finished"), result.step
             where = result.checkpoint or "no checkpoint (nothing trained)"
             log.info("%s at step %d; checkpoint %s", how, result.step, where)
@@ -206,7 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         notifier.stopping(status=f"{how} at step {step}")
     except Exception as e:
         faulthandler.cancel_dump_traceback_later()
-        log.critical("training failed: %s: %s", type(e).__name__, e, exc_info=True)
+        if getattr(e, "__dflash_reported__", False):
+            pass  # a pipeline rank's failure, logged once already (distributed/failure.py)
+        elif isinstance(e, CheckpointError):  # names the checkpoint, its directory and the cause
+            log.critical("training failed: %s", e)
+        else:
+            log.critical("training failed: %s: %s", type(e).__name__, e, exc_info=True)
         notifier.status(f"failed: {type(e).__name__}: {e}"[:200])
         code = 1
     finally:

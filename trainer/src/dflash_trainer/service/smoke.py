@@ -102,6 +102,13 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
             if s.get("trackers_failed"):
                 problems.append(f"{phase}: rank {s['rank']} trackers failed: {s['trackers_failed']}")
     ckpts = [p.name for p in list_checkpoints(out / "checkpoints")]
+    # Steps are the drafter leader's (the rank that speaks to systemd); target ranks report none.
+    all1, all2 = p1, p2
+    p1 = [s for s in p1 if s.get("last_step") is not None] if p1 else p1
+    p2 = [s for s in p2 if s.get("first_step") is not None] if p2 else p2
+    for phase, every, stepped in (("phase 1", all1, p1), ("phase 2", all2, p2)):
+        if every and not stepped:
+            problems.append(f"{phase}: no rank trained a step")
     if p1 and any(s.get("last_step") != stop_at for s in p1):
         problems.append(
             f"phase 1 ended at step {[s.get('last_step') for s in p1]}, not at the stop step {stop_at}"
@@ -138,11 +145,11 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
             if any(s.get("first_step_at") for s in p1)
             else None
         )
-        start = t0 if t0 is not None else min(s["started"] for s in p1)
+        start = t0 if t0 is not None else min(s["started"] for s in all1)
         label = "since `make smoke-train`" if t0 is not None else "since the unit started"
         if first is not None:
             lines.append(f"time to first step: {first - start:.1f} s {label}")
-        for s in sorted(p2, key=lambda s: s["rank"]):
+        for s in sorted(all2, key=lambda s: s["rank"]):
             rate = s.get("tokens_per_s")
             lines.append(
                 f"rank {s['rank']} {s['role']}: {rate:.0f} tokens/s" if rate else f"rank {s['rank']}: no rate"

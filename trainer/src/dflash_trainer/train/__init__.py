@@ -1,1 +1,1 @@
-"""The training loop: the drafter step (trainer.py) and the single-process driver (loop.py)."""
+"""The training run (run.py): the one path of every topology, a single process being the 1:1 case."""

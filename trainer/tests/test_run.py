@@ -1,0 +1,243 @@
+"""The training run in one process (the 1:1 pipeline in-process) on a tiny target on CPU: flag combinations,
+exact resume, stop, EMA, evaluation, and the background checkpoint (atomic, its stall logged, finished before
+the run returns, a disk-full error named in one line)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import tiny_run_config
+
+from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
+from dflash_trainer.config import TrainConfig, load_config
+from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.train.run import Run, lr_factor, train
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    synth_shards(
+        tiny_target("qwen3_5"), out, num_shards=2, rows=12, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID
+    )
+    return out
+
+
+def make_config(tmp_path: Path, target: Path, shards: Path, **train: object) -> TrainConfig:
+    keys = {"max_steps": 20, "checkpoint_every": 10, "ema_every": 3, "keep_last": 2} | train
+    path = tiny_run_config(
+        tmp_path / "train.toml",
+        target,
+        shards,
+        data={"held_out": 4, "shuffle_window": 5},
+        optim={"lr": 3e-3},
+        train={"checkpoint_dir": tmp_path / "ckpt", **keys},
+    )
+    return load_config(path)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = [lr_factor(s, total=100, warmup=4, schedule="cosine", min_ratio=0.1) for s in range(100)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
+    assert all(a >= b for a, b in itertools.pairwise(f[4:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "compile_"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_flag_combinations_train(tmp_path, tiny_target, shards, checkpointing, compile_):
+    # aot_eager: the same Dynamo capture and AOT autograd (where checkpointing and compile meet) without
+    # inductor's C++ build, which costs ~35 s on 2 cores; inductor runs on the GPU machine.
+    cfg = make_config(
+        tmp_path,
+        tiny_target("qwen3_5"),
+        shards,
+        max_steps=2,
+        gradient_checkpointing=checkpointing,
+        compile=compile_,
+        compile_backend="aot_eager",
+    )
+    seen = []
+    result = train(cfg, hooks=[seen.append], on_ready=lambda: seen.append("ready"))
+    assert seen[0] == "ready" and [m.step for m in seen[1:]] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(m.loss)) and m.grad_norm > 0 for m in seen[1:])
+    assert result.checkpoint is not None and result.checkpoint.name == "step-00000002"
+
+
+def test_resume_is_exact(tmp_path, tiny_target, shards):
+    target = tiny_target("qwen3_5")
+    straight = train(make_config(tmp_path / "a", target, shards))
+    assert straight.step == 20
+
+    cfg = make_config(tmp_path / "b", target, shards)
+    assert train(cfg, max_steps=10).step == 10
+    # Fresh objects, as a new process builds them; they find the step-10 checkpoint and go on.
+    resumed = train(cfg)
+    assert resumed.step == 20
+
+    a, a_ema = load_checkpoint(straight.checkpoint)
+    b, b_ema = load_checkpoint(resumed.checkpoint)
+    for name, tensor in a["trainer"]["drafter"].items():
+        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
+    for name, tensor in a_ema["shadow"].items():
+        assert torch.equal(tensor, b_ema["shadow"][name]), name
+    assert a["data"] == b["data"]
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "ckpt")] == ["step-00000010", "step-00000020"]
+
+
+def test_stop_event_saves_and_returns(tmp_path, tiny_target, shards):
+    stop = threading.Event()
+
+    def stop_at_3(m):
+        if m.step == 3:
+            stop.set()
+
+    result = train(make_config(tmp_path, tiny_target("qwen3_5"), shards), hooks=[stop_at_3], stop=stop)
+    assert result.stopped and result.step == 3 and result.checkpoint.name == "step-00000003"
+
+
+def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
+    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards, ema_decay=0.5))
+    ema = run.drafter.ema
+    start = {k: v.clone() for k, v in ema.weights().items()}
+    run.train(stop_at=3)
+    shadow = ema.weights()
+    name = "fc.weight"
+    live = dict(run.drafter.drafter.named_parameters())[name].detach()
+    assert shadow[name].device.type == "cpu" and shadow[name].dtype == torch.float32
+    # One update at step 3 with decay 0.5: halfway between the start and the weights of step 3.
+    assert torch.allclose(shadow[name], 0.5 * start[name] + 0.5 * live)
+    assert ema.num_updates == 1
+
+
+def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
+    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards))
+    figures = run.evaluate()
+    assert figures == run.evaluate()  # fixed anchors: the same blocks each time
+    assert 1.0 <= figures["acceptance_length"] <= 4.0
+    assert set(figures) == {"loss", "acceptance_length", "acc_1", "acc_2", "acc_3"}
+
+
+def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_target, shards, monkeypatch):
+    from dflash_trainer.train import run as tr
+
+    seen = []
+
+    def decode_walk(ctx):  # what a further evaluation gets: the target, the drafter, the held-out rows
+        seen.append((ctx.step, ctx.target is not None, len(ctx.held_out), ctx.drafter.training))
+        return {"walk": 1.5}
+
+    monkeypatch.setattr(tr, "EVAL_HOOKS", [*tr.EVAL_HOOKS, decode_walk])
+    steps = []
+    train(
+        make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=4, eval_every=2), hooks=[steps.append]
+    )
+    assert [(m.step, sorted(m.eval)) for m in steps if m.eval] == [
+        (s, ["acc_1", "acc_2", "acc_3", "acceptance_length", "loss", "walk"]) for s in (2, 4)
+    ]
+    assert seen == [(2, True, 2, False), (4, True, 2, False)]
+
+
+# ---- the background checkpoint ----
+
+
+def test_save_is_in_the_background_and_finished_when_the_run_returns(tmp_path, tiny_target, shards, caplog):
+    caplog.set_level("INFO", logger="dflash_trainer.checkpoint")
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=6, checkpoint_every=3)
+    result = train(cfg)
+    assert result.checkpoint.name == "step-00000006"
+    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["ema.pt", "state.pt"]
+    lines = [r.getMessage() for r in caplog.records if "stall" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["checkpoint step-00000003", "checkpoint step-00000006"]
+    assert all(" s, written in " in line for line in lines), lines
+
+
+def test_resume_after_background_saves_is_exact(tmp_path, tiny_target, shards, monkeypatch):
+    """A save whose write is slow (still in flight while training goes on) holds the state of its step."""
+    import dflash_trainer.checkpoint as ck
+
+    target = tiny_target("qwen3_5")
+    straight = train(make_config(tmp_path / "a", target, shards, max_steps=8, checkpoint_every=4))
+    real = ck.save_checkpoint
+
+    def slow(*args, **kwargs):
+        threading.Event().wait(1.0)  # training runs ahead meanwhile and changes weights and moments
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "save_checkpoint", slow)
+    cfg = make_config(tmp_path / "b", target, shards, max_steps=8, checkpoint_every=2)
+    train(cfg, max_steps=5)
+    monkeypatch.setattr(ck, "save_checkpoint", real)
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "ckpt")][-1] == "step-00000005"
+    resumed = train(cfg)
+    a, _ = load_checkpoint(straight.checkpoint)
+    b, _ = load_checkpoint(resumed.checkpoint)
+    for name, tensor in a["trainer"]["drafter"].items():
+        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
+
+
+def torch_enospc(real_save, obj) -> RuntimeError:
+    """The error torch.save raises on a full disk: RuntimeError "[enforce fail at inline_container.cc:...]
+    unexpected pos", the OSError only its __context__ (made for real on /dev/full)."""
+    full = Path("/dev/full").open("wb")  # noqa: SIM115  # its close re-raises ENOSPC: suppressed below
+    try:
+        real_save(obj, full)
+    except RuntimeError as e:
+        return e
+    finally:
+        with contextlib.suppress(OSError):
+            full.close()
+    raise AssertionError("torch.save to /dev/full did not fail")
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(tmp_path, tiny_target, shards, monkeypatch):
+    import dflash_trainer.checkpoint as ck
+
+    real_save = ck.torch.save
+    calls = []
+
+    def dies_on_the_second_checkpoint(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # state.pt of the second checkpoint: written partly, then the disk is full
+            f.write(b"partial")
+            raise torch_enospc(real_save, obj)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.torch, "save", dies_on_the_second_checkpoint)
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=8, checkpoint_every=2)
+    with pytest.raises(ck.CheckpointError) as err:
+        train(cfg)
+    ckpt = tmp_path / "ckpt"
+    assert str(err.value) == (
+        f"checkpoint step-00000004 in {ckpt}: OSError: [Errno 28] No space left on device"
+    )
+    assert [p.name for p in ckpt.iterdir()] == ["step-00000002"]  # the half-written one is gone
+    assert load_checkpoint(ck.latest_checkpoint(ckpt))[0]["trainer"]["step"] == 2
+
+
+def test_disk_full_is_one_line_naming_the_cause_and_path(tmp_path, monkeypatch):
+    """A real ENOSPC: /dev/full as the file torch.save writes to."""
+    import dflash_trainer.checkpoint as ck
+
+    f = Path("/dev/full").open("wb")  # noqa: SIM115  # closed below: its close re-raises ENOSPC
+    try:
+        with pytest.raises(RuntimeError) as raw:
+            torch.save({"x": torch.ones(1000)}, f)
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
+    assert "unexpected pos" in str(raw.value)  # what torch says
+    cause = ck.root_cause(raw.value)
+    assert isinstance(cause, OSError) and cause.errno == 28  # what it means
+
+    real = ck._save
+    monkeypatch.setattr(ck, "_save", lambda obj, _path: real(obj, Path("/dev/full")))
+    with pytest.raises(ck.CheckpointError, match=r"^checkpoint step-00000050 in .*: OSError: \[Errno 28\]"):
+        ck.save_checkpoint(tmp_path / "x", 50, {"a": torch.ones(3)}, {}, keep_last=2)
+    assert list((tmp_path / "x").iterdir()) == []
