@@ -32,8 +32,7 @@ from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.evaluate import evaluate, walk_prompts
 from dflash_trainer.export import export_draft, load_draft
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
-from dflash_trainer.train.loop import Run
-from dflash_trainer.train.trainer import objective_config
+from dflash_trainer.train.run import Run, objective_config
 from dflash_trainer.walk import WalkResult, WalkSettings, decode_walk
 
 
@@ -55,12 +54,13 @@ def dflash_tau(export_dir: Path, target_dir: Path, prompts: list[torch.Tensor], 
 
 def compare(label: str, run: Run, state: dict, work: Path, prompts: list[torch.Tensor], new: int) -> float:
     out = work / f"export-{label}"
-    export_draft(state, run.spec, out, dtype=torch.float32)
+    target, live = run.target.target, run.drafter.drafter
+    export_draft(state, live.spec, out, dtype=torch.float32)
     drafter = load_draft(out)
-    walk: WalkResult = decode_walk(run.target.model, drafter, prompts, WalkSettings(max_new_tokens=new))
+    walk: WalkResult = decode_walk(target.model, drafter, prompts, WalkSettings(max_new_tokens=new))
     theirs = dflash_tau(out, run.cfg.model.target_path, prompts, new)
-    run.drafter.load_state_dict(state, strict=True)
-    anchor = evaluate(run.drafter, run.target, run.held_out, objective_config(run.cfg)).anchor_accept
+    live.load_state_dict(state, strict=True)
+    anchor = evaluate(live, target, run.target.held_out, objective_config(run.cfg)).anchor_accept
     diff = 100 * (walk.tau - theirs) / theirs
     print(
         f"{label:>10}: walk tau {walk.tau:.3f} (pooled {walk.tau_pooled:.3f}, {walk.steps} steps, "
@@ -96,18 +96,17 @@ def main() -> None:
     config = config.replace("eval_walk_prompts = 16", f"eval_walk_prompts = {args.prompts}")
     (work / "train.toml").write_text(config)
     run = Run(load_config(work / "train.toml"))
-    prompts = walk_prompts(run.held_out, args.prompts, 10_000)
+    prompts = walk_prompts(run.target.held_out, args.prompts, 10_000)
     n, length = len(prompts), len(prompts[0])
     print(f"tiny qwen3 target; {n} held-out prompts of {length} tokens, {args.new_tokens} new tokens each")
 
-    start = {k: v.clone() for k, v in run.drafter.state_dict().items()}
+    start = {k: v.clone() for k, v in run.drafter.drafter.state_dict().items()}
     compare("step 0", run, start, work, prompts, args.new_tokens)
     t0 = time.perf_counter()
-    while run.step < args.steps:
-        run.train_step()
+    run.train(stop_at=args.steps)
     step_s = (time.perf_counter() - t0) / args.steps
     print(f"{args.steps} training steps, {step_s * 1000:.0f} ms each")
-    walk_s = compare(f"step {args.steps}", run, run.ema.weights(), work, prompts, args.new_tokens)
+    walk_s = compare(f"step {args.steps}", run, run.drafter.ema.weights(), work, prompts, args.new_tokens)
     for every in (100, 500):
         share = 100 * walk_s / (walk_s + every * step_s)
         print(f"a walk every {every} steps: {share:.1f} % of training time")

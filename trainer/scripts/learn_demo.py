@@ -91,7 +91,7 @@ def main() -> None:
         if m.step % 50 == 0:
             print(
                 f"step {m.step:4d}  loss {m.loss:.3f}  lr {m.lr:.1e}  "
-                f"train anchor_accept {m.acceptance_length:.2f}"
+                f"train anchor_accept {m.anchor_accept:.2f}"
             )
 
     run.train(hooks=[report])

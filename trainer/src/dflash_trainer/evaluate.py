@@ -40,7 +40,7 @@ class EvalResult:
         figures = {"loss": self.loss, "anchor_accept": self.anchor_accept}
         figures |= {f"acc_{k + 1}": a for k, a in enumerate(self.per_position_acc)}
         if self.walk is not None:
-            figures |= self.walk.as_dict() | {"walk_s": self.walk.seconds}
+            figures |= self.walk.as_dict()
         return figures
 
 
@@ -65,12 +65,13 @@ def evaluate(
     walk: WalkSettings | None = None,
 ) -> EvalResult:
     """Token-weighted means over the held-out batches, then the decode walk over `prompts` if any (it needs
-    the target loaded whole). The drafter is left in training mode.
+    the target loaded whole). The drafter is left in the mode it came in.
 
     Runs in the caller's precision context (the loop wraps it in the training autocast).
     """
     generator = torch.Generator().manual_seed(EVAL_SEED)
     device = target.device
+    was_training = drafter.training
     drafter.eval()
     loss = accept = 0.0
     acc = torch.zeros(objective.block_size - 1)
@@ -82,11 +83,11 @@ def evaluate(
             out = dflash_loss(drafter, captured, target.embed_tokens, target.lm_head, objective, generator)
             n = out.num_tokens
             loss += float(out.loss) * n
-            accept += out.acceptance_length * n
+            accept += out.anchor_accept * n
             acc += out.per_position_acc.float().cpu() * n
             tokens += n
     finally:
-        drafter.train()
+        drafter.train(was_training)
     if tokens == 0:
         raise ValueError("the held-out rows have no supervised block positions")
     walked = decode_walk(target.model, drafter, prompts, walk or WalkSettings()) if prompts else None

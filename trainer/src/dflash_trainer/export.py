@@ -6,7 +6,6 @@ import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +28,11 @@ def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
     A baseline: exported and served, it gives the acceptance length of a drafter that learnt nothing.
     """
     from dflash_trainer.model.target import read_text_config
-    from dflash_trainer.train.loop import drafter_spec, seed_everything
+    from dflash_trainer.train.run import drafter_spec, seed_everything
 
-    target = SimpleNamespace(config=read_text_config(cfg.model.target_path))
-    seed_everything(cfg.data.seed)
-    return DFlashDrafter(drafter_spec(cfg, target)).to(torch.float32)  # type: ignore[arg-type]
+    spec = drafter_spec(cfg, read_text_config(cfg.model.target_path))
+    seed_everything(cfg.data.seed)  # as train.run.new_drafter
+    return DFlashDrafter(spec).to(torch.float32)
 
 
 def expected_weight_names(spec: DrafterSpec) -> set[str]:

@@ -71,6 +71,7 @@ class WalkResult:
             "walk_tau_pooled": self.tau_pooled,
             "walk_tok_s": self.tokens_per_s,
             "walk_steps": float(self.steps),
+            "walk_s": self.seconds,
         }
 
 
