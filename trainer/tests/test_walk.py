@@ -235,3 +235,21 @@ def test_walk_config_keys_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"^train\.eval_walk_prompts: must be >= 0, got -1$"):
         validate(cfg(eval_walk_prompts=-1), target=None)
     assert validate(cfg(eval_walk_prompts=0), target=None).train.eval_walk_prompts == 0
+
+
+def test_a_drafter_compiled_for_training_walks_eagerly(trained) -> None:
+    """train.compile compiles each layer in place; the walk's growing context must not recompile them."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    t = trained("qwen3")
+    compiled = copy.deepcopy(t.drafter)
+    for layer in compiled.layers:
+        layer.compile(backend="eager")
+    settings = WalkSettings(max_new_tokens=12)
+    frames = counters["frames"]["total"]
+    walked = decode_walk(t.target.model, compiled, t.prompts[:2], settings)
+    assert counters["frames"]["total"] == frames  # dynamo never ran
+    plain = decode_walk(t.target.model, t.drafter, t.prompts[:2], settings)
+    assert [w.acceptance_lengths for w in walked.walks] == [w.acceptance_lengths for w in plain.walks]

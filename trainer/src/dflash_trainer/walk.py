@@ -279,7 +279,9 @@ def decode_walk(
     try:
         _sync(device)
         t0 = time.perf_counter()
-        walks = [walk_prompt(model, draft, p, settings) for p in prompts]
+        # Layers compiled in place for training (train.compile) would recompile for every context length.
+        with torch.compiler.set_stance("force_eager"):
+            walks = [walk_prompt(model, draft, p, settings) for p in prompts]
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:
