@@ -33,6 +33,7 @@ SMALL = {
     "train.gradient_checkpointing": "false",
     "train.loss_chunk": "64",
     "train.ema_every": "1",
+    "train.eval_walk_new_tokens": "8",  # the decode walk at the smoke's evaluation, kept short on CPU
 }
 
 

@@ -117,11 +117,21 @@ def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
 
 
 def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
-    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards))
+    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=2))
     figures = run.evaluate()
-    assert figures == run.evaluate()  # fixed anchors: the same blocks each time
-    assert 1.0 <= figures["acceptance_length"] <= 4.0
-    assert set(figures) == {"loss", "acceptance_length", "acc_1", "acc_2", "acc_3"}
+    timed = {"walk_tok_s", "walk_s"}
+    again = run.evaluate()
+    # fixed anchors and prompts: the same blocks and the same walk each time
+    assert {k: v for k, v in figures.items() if k not in timed} == {
+        k: v for k, v in again.items() if k not in timed
+    }
+    assert 1.0 <= figures["anchor_accept"] <= 4.0 and 1.0 <= figures["walk_tau"] <= 4.0
+    assert figures["walk_steps"] >= 2 * 8 / 4 and figures["walk_s"] > 0
+    walk = {"walk_tau", "walk_tau_pooled", "walk_steps"} | timed
+    assert set(figures) == {"loss", "anchor_accept", "acc_1", "acc_2", "acc_3"} | walk
+
+
+WALK = ["walk_s", "walk_steps", "walk_tau", "walk_tau_pooled", "walk_tok_s"]
 
 
 def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_target, shards, monkeypatch):
@@ -139,7 +149,7 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
         make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=4, eval_every=2), hooks=[steps.append]
     )
     assert [(m.step, sorted(m.eval)) for m in steps if m.eval] == [
-        (s, ["acc_1", "acc_2", "acc_3", "acceptance_length", "loss", "walk"]) for s in (2, 4)
+        (s, ["acc_1", "acc_2", "acc_3", "anchor_accept", "loss", "walk", *WALK]) for s in (2, 4)
     ]
     assert seen == [(2, True, 2, False), (4, True, 2, False)]
 

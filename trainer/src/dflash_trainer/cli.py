@@ -73,16 +73,20 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
     if not (args.target / "config.json").is_file():
         raise UserError(f"{args.target}: no config.json (not a target directory)")
-    paths = synth_shards(
-        args.target,
-        args.out,
-        num_shards=args.shards,
-        rows=args.rows,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        prompt_len=args.prompt_len,
-        vocab_size=args.vocab_size,
-    )
+    try:
+        paths = synth_shards(
+            args.target,
+            args.out,
+            num_shards=args.shards,
+            rows=args.rows,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            prompt_len=args.prompt_len,
+            vocab_size=args.vocab_size,
+            mask_token_id=args.mask_token_id,
+        )
+    except ValueError as e:  # a bad --mask-token-id, --vocab-size or --prompt-len
+        raise UserError(str(e)) from None
     print(f"wrote {len(paths)} shards of {args.rows} rows to {args.out}")
     return 0
 
@@ -155,7 +159,7 @@ def _drafter_from_checkpoint(path: Path, source: str):
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflash_trainer.export import check_export, export_draft, load_draft
+    from dflash_trainer.export import DTYPES, check_export, export_draft, load_draft
 
     if args.check:
         if args.out is not None:
@@ -175,11 +179,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     if args.out is None:
         raise UserError("export needs CKPT and OUT (or --check OUT)")
-    ckpt = _checkpoint_dir(args.path)
-    drafter = _drafter_from_checkpoint(ckpt, args.source)
-    export_draft(drafter.state_dict(), drafter.spec, args.out)
+    if args.untrained:
+        from dflash_trainer.export import untrained_drafter
+
+        drafter, what = untrained_drafter(load_config(args.path)), f"the untrained drafter of {args.path}"
+    else:
+        ckpt = _checkpoint_dir(args.path)
+        drafter, what = _drafter_from_checkpoint(ckpt, args.source), f"{ckpt} ({args.source})"
+    export_draft(drafter.state_dict(), drafter.spec, args.out, dtype=DTYPES[args.dtype])
     print(
-        f"exported {ckpt} ({args.source}) to {args.out}; "
+        f"exported {what} to {args.out} as {args.dtype}; "
         f"max |difference| {check_export(args.out, drafter):.3g}"
     )
     return 0
@@ -217,7 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--rows", type=int, default=64, help="rows per shard")
     synth.add_argument("--seq-len", type=int, default=128)
     synth.add_argument("--prompt-len", type=int, help="default: a quarter of --seq-len")
-    synth.add_argument("--vocab-size", type=int, help="draw prompt tokens below this id (keep a mask id out)")
+    synth.add_argument("--vocab-size", type=int, help="draw prompt tokens below this id")
+    synth.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="the drafter's mask token, never written (default: the vocabulary's last id, the tiny targets')",
+    )
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=cmd_data_synth)
 
@@ -248,10 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write the published draft-model format from a checkpoint")
     export.add_argument(
-        "path", type=Path, metavar="CKPT", help="a checkpoint, or a directory of them (newest)"
+        "path",
+        type=Path,
+        metavar="CKPT",
+        help="a checkpoint, or a directory of them (newest); with --untrained, a training config",
     )
     export.add_argument("out", type=Path, nargs="?", metavar="OUT")
     export.add_argument("--from", dest="source", choices=("ema", "weights"), default="ema")
+    export.add_argument(
+        "--untrained",
+        action="store_true",
+        help="export the drafter a run of config CKPT starts from (step 0): a baseline to serve",
+    )
+    export.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights' dtype"
+    )
     export.add_argument(
         "--check", action="store_true", help="check an exported directory: export --check OUT"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -55,8 +56,16 @@ def _truncated(cfg: PreTrainedConfig, num_layers: int) -> PreTrainedConfig:
     return short
 
 
+class _StopForward(Exception):
+    """Ends a capture after the last captured layer when later layers are loaded (for the decode walk)."""
+
+
 class TargetModel:
-    """A frozen target truncated after its last needed layer; forward hooks collect the features."""
+    """A frozen target (usually truncated after its last needed layer); forward hooks collect the features.
+
+    The feature of layer i is what serving feeds the drafter: HF's hidden_states[i + 1], i.e. layer i's
+    output, except for the target's last layer, whose entry HF takes after the final norm.
+    """
 
     def __init__(self, model: PreTrainedModel, config: PreTrainedConfig, layer_ids: list[int]) -> None:
         self.model = model
@@ -67,14 +76,23 @@ class TargetModel:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.lm_head
         self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False  # hooks record only inside capture(), not in other forwards (the walk's)
         layers = model.model.layers
+        self._stop_after = max(self.layer_ids) if max(self.layer_ids) < len(layers) - 1 else None
         for i in self.layer_ids:
             layers[i].register_forward_hook(self._hook(i))
 
     def _hook(self, index: int):
+        final_norm = self.model.model.norm if index == self.num_layers - 1 else None
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            # A decoder layer's own output, i.e. HF's hidden_states[index + 1] (never the post-norm entry).
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
+            if not self._capturing:
+                return
+            out = output[0] if isinstance(output, tuple) else output
+            # HF's hidden_states[index + 1]: the layer's output, after the final norm for the last layer.
+            self._captured[index] = out if final_norm is None else final_norm(out)
+            if index == self._stop_after:
+                raise _StopForward
 
         return hook
 
@@ -93,10 +111,13 @@ class TargetModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         self._captured.clear()
+        self._capturing = True
         try:
-            self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
+            with contextlib.suppress(_StopForward):
+                self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
             context = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
+            self._capturing = False
             self._captured.clear()
         mask = attention_mask if loss_mask is None else loss_mask
         return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
@@ -155,11 +176,13 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     layer_ids: list[int],
+    full: bool = False,
 ) -> TargetModel:
     """Load a Qwen3 / Qwen3.5 (plain or VL wrapper) / Qwen3-Next target from safetensors + config.json.
 
     Frozen and in eval mode; bf16 on CUDA and fp32 elsewhere unless `dtype` says otherwise. Layers after
-    max(layer_ids) are neither built nor kept. On CUDA the weights go through fast_load (see `_fast_load`);
+    max(layer_ids) are neither built nor kept unless `full` (the decode walk needs the logits); capture runs
+    only up to max(layer_ids) either way. On CUDA the weights go through fast_load (see `_fast_load`);
     from_pretrained stays the reference path (CPU, and whatever fast_load cannot place).
     """
     device = torch.device(device)
@@ -170,7 +193,7 @@ def load_target(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     install_device_dispatch()
     cls = CAUSAL_LM_CLASSES[cfg.model_type]
-    short = _truncated(cfg, max(layer_ids) + 1)
+    short = _truncated(cfg, cfg.num_hidden_layers if full else max(layer_ids) + 1)
     start = time.perf_counter()
     model = None
     if device.type == "cuda":

@@ -156,6 +156,18 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
             )
             for dev, n in s["peak_memory_bytes"].items():
                 lines.append(f"  peak memory {dev}: {_gib(n)}")
+    evaluated = [s for s in [*all1, *all2] if s.get("eval")]
+    if evaluated:  # the drafter leader's newest evaluation (figures come from target rank 0)
+        s = max(evaluated, key=lambda s: s.get("eval_step") or 0)
+        e = s["eval"]
+        line = (
+            f"evaluation at step {s.get('eval_step')}: held-out anchor_accept {e.get('anchor_accept', 0):.2f}"
+        )
+        if "walk_tau" in e:
+            line += (
+                f", walk tau {e['walk_tau']:.2f} ({e['walk_steps']:.0f} verify steps, {e['walk_s']:.1f} s)"
+            )
+        lines.append(line)
     print("---- smoke summary")
     for line in lines:
         print(line)
