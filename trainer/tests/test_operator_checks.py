@@ -217,3 +217,20 @@ def test_fla_cpu_warning_is_silenced_without_a_gpu():
     )
     assert proc.returncode == 0, proc.stderr
     assert "Triton is not supported" not in proc.stderr
+
+
+def test_smoke_prepare_removes_earlier_runs_only(tmp_path):
+    from dflash_trainer.service import smoke
+
+    (tmp_path / "cfg").mkdir()
+    config = manifested_config(tmp_path / "cfg")
+    base = tmp_path / "var-tmp"
+    old = base / "dflash-smoke.aaaaaa"
+    (old / "checkpoints" / "step-00000030").mkdir(parents=True)
+    (old / "smoke.toml").write_text("# an earlier run\n")
+    stranger = base / "dflash-smoke.notours"  # no smoke.toml: not a smoke run's work directory
+    stranger.mkdir(parents=True)
+    out = base / "dflash-smoke.bbbbbb"
+    out.mkdir()
+    smoke.prepare(config, out, steps=10, stop_at=5)
+    assert not old.exists() and stranger.is_dir() and (out / "smoke.toml").is_file()

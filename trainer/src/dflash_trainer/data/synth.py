@@ -51,16 +51,20 @@ def synth_shards(
     """Writes num_shards shards of `rows` rows each (seq_len tokens: a random prompt, then the target's greedy
     continuation). Deterministic from the seed; returns the shard paths.
 
-    Prompt tokens are drawn below `vocab_size` (default: the target's), so a reserved id such as a tiny
-    target's mask token can be kept out of the prompts.
+    Every token is below `vocab_size` (default: the target's): prompts are drawn below it and the greedy
+    continuation never picks an id at or above it, so a reserved id such as a tiny target's mask token never
+    appears in the data.
     """
     from dflash_trainer.model.target import load_target, read_text_config
 
     prompt_len = prompt_len or max(1, seq_len // 4)
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len} for seq_len {seq_len}")
+    full_vocab = read_text_config(target_dir).vocab_size
     if vocab_size is None:
-        vocab_size = read_text_config(target_dir).vocab_size
+        vocab_size = full_vocab
+    # Ids at and above vocab_size (a tiny target's mask token) are kept out of the continuation too.
+    suppress = list(range(vocab_size, full_vocab)) or None
     num_layers = read_text_config(target_dir).num_hidden_layers
     # Capturing the last layer keeps every layer loaded, so the causal LM's logits are the full target's.
     target = load_target(Path(target_dir), device="cpu", dtype=torch.float32, layer_ids=[num_layers - 1])
@@ -76,6 +80,7 @@ def synth_shards(
             max_new_tokens=new,
             eos_token_id=None,
             pad_token_id=0,
+            suppress_tokens=suppress,
         )
         assert out.shape[1] == seq_len, out.shape
         return out
