@@ -22,6 +22,15 @@ APT_PACKAGES=(lxc python3-lxc mmdebstrap debian-archive-keyring uidmap rsync ipr
               psmisc python3-venv build-essential dkms zstd)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
+beat() {  # beat WHAT CMD...: runs CMD; while it runs, a line every 10 s says so (a fresh machine: minutes)
+  local what=$1 pid t=0; shift
+  "$@" & pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1; t=$((t + 1))
+    if [ $((t % 10)) = 0 ] && kill -0 "$pid" 2>/dev/null; then echo "bootstrap: $what: still running (${t} s)"; fi
+  done
+  wait "$pid"
+}
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and manages LXC containers)"
 command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH; install python3 first"
@@ -34,7 +43,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${missing[*]}"
   apt-get update -qq || die "apt-get update failed"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+  beat "apt-get install" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
     || die "apt-get install failed for: ${missing[*]}"
 fi
 
@@ -56,7 +65,7 @@ new_venv() {
 
 if ! venv_current "$VENV" "$TOOLS_LOCK"; then
   new_venv "$VENV"
-  pip_q "$VENV" install --requirement="$TOOLS_LOCK" || die "pip could not install $TOOLS_LOCK into $VENV"
+  beat "pip install $TOOLS_LOCK" pip_q "$VENV" install --requirement="$TOOLS_LOCK" || die "pip could not install $TOOLS_LOCK into $VENV"
   "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
   # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -73,7 +82,7 @@ trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$ROOT/train
 if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
   new_venv "$TRAINER_VENV"
   # torch==2.13.0 resolves to the CPU wheel where pip's find-links offers it, to PyPI's CUDA build elsewhere.
-  pip_q "$TRAINER_VENV" install --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
+  beat "pip install $TRAINER_LOCK" pip_q "$TRAINER_VENV" install --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
     || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
   pip_q "$TRAINER_VENV" install --no-deps --requirement="$NODEPS_LOCK" || die "pip could not install $NODEPS_LOCK"
   pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
