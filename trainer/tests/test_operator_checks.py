@@ -234,3 +234,30 @@ def test_smoke_prepare_removes_earlier_runs_only(tmp_path):
     out.mkdir()
     smoke.prepare(config, out, steps=10, stop_at=5)
     assert not old.exists() and stranger.is_dir() and (out / "smoke.toml").is_file()
+
+
+def test_synthetic_data_never_holds_the_mask_token(tmp_path):
+    """The lab seeds with vocab_size = the mask id: prompts AND the target's greedy continuation stay below it
+    (the continuation used to pick the mask id: 11 times in 8192 tokens of the lab's seed)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dflash_trainer.data.synth import synth_shards
+    from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
+
+    # The lab's target (seed 1234): its greedy continuation of these prompts picks the mask id if let.
+    target = write_tiny_target(tmp_path / "target", kind="qwen3_5", seed=1234)
+    (path,) = synth_shards(
+        target,
+        tmp_path / "shards",
+        num_shards=1,
+        rows=64,
+        seq_len=24,
+        prompt_len=8,
+        seed=1234,
+        batch=64,
+        vocab_size=TINY_MASK_TOKEN_ID,
+    )
+    table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    ids = np.concatenate([np.asarray(row) for row in table.column("input_ids").to_pylist()])
+    assert ids.size == 64 * 24 and ids.max() < TINY_MASK_TOKEN_ID
