@@ -36,6 +36,7 @@ _WANDB_BAD = re.compile(r"[/\\#?%:]")
 START_WAIT_S = 3.0
 # wandb's own default is 90 s of retries against an unreachable server; in the background 60 s is plenty.
 WANDB_INIT_TIMEOUT_S = 60.0
+WANDB_FINISH_TIMEOUT_S = 30.0
 # How long close() waits for a tracker that is still starting, and how many values it keeps meanwhile.
 CLOSE_WAIT_S = 5.0
 PENDING_MAX = 10_000
@@ -65,7 +66,17 @@ class ApiNeed:
 
 WANDB_NEEDS = (
     ApiNeed("wandb.init", ("project", "name", "id", "dir", "mode", "config", "resume", "settings")),
-    ApiNeed("wandb.Settings", ("silent", "console", "init_timeout")),
+    ApiNeed(
+        "wandb.Settings",
+        (
+            "silent",
+            "console",
+            "init_timeout",
+            "finish_timeout",
+            "x_graphql_retry_max",
+            "x_graphql_timeout_seconds",
+        ),
+    ),
     ApiNeed("wandb.Run.log", ("data", "step")),
     ApiNeed("wandb.Run.finish", ()),
 )
@@ -172,7 +183,17 @@ class WandbTracker:
 
         run_dir = Path(directory) if directory else Path(cfg.train.checkpoint_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        settings = wandb.Settings(silent=True, console="off", init_timeout=WANDB_INIT_TIMEOUT_S)
+        settings = wandb.Settings(
+            silent=True,
+            console="off",
+            init_timeout=WANDB_INIT_TIMEOUT_S,
+            # Bounded at the end too: an unreachable server must not hold a stop (save, exit) for minutes.
+            finish_timeout=WANDB_FINISH_TIMEOUT_S,
+            # Its API calls (run creation, finish) retry a few times, not for a minute and more; metrics
+            # stream on their own retry policy, unchanged.
+            x_graphql_retry_max=3,
+            x_graphql_timeout_seconds=10.0,
+        )
         self.run = wandb.init(
             project=cfg.trackers.wandb_project,
             name=cfg.trackers.wandb_run,
