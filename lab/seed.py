@@ -19,9 +19,9 @@ from lab.settings import REPO, LabSettings
 TRAINER_PYTHON = REPO / ".venv-trainer" / "bin" / "python"
 MODEL_PREFIX = "models/tiny-qwen3_5/"
 SHARDS_PREFIX = "shards/"
-# Bump when lab/seed_trainer.py makes different data from the same seed (r2: 64-token rows, one batch per
-# shard, no mask token in the continuation).
-RECIPE = "r2"
+# Bump when lab/seed_trainer.py makes different data from the same seed (r3: 64-token rows, one batch per
+# shard, no mask token in the continuation, this tree's trainer).
+RECIPE = "r3"
 
 
 def aws_env(settings: LabSettings) -> dict[str, str]:
@@ -81,7 +81,14 @@ def ensure_seed_files(settings: LabSettings) -> bool:
             stdout=None,  # its progress lines go to the console as they come
             stderr=subprocess.PIPE,  # library noise stays out; its last line names a fault
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                # This tree's trainer, whichever checkout the venv's editable install points at.
+                "PYTHONPATH": str(REPO / "trainer" / "src"),
+                "OMP_NUM_THREADS": "1",
+                "TQDM_DISABLE": "1",
+                "PYTHONUNBUFFERED": "1",
+            },
             timeout=900,
             check=False,
         )
