@@ -1,7 +1,7 @@
 """The lab's data: a tiny random hybrid target and target-regenerated Arrow shards, made by the trainer's own
 code (lab/seed_trainer.py, one process), deterministic from the inventory's seed, and pushed to the lab bucket
 with the real awscli. The seed directory is named after the seed and the recipe (RECIPE), so a change of
-either makes a new seed; older ones are removed."""
+either makes a new seed."""
 
 from __future__ import annotations
 
@@ -95,10 +95,9 @@ def ensure_seed_files(settings: LabSettings) -> bool:
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise LabError(f"seeding the lab (python -m lab.seed_trainer) failed: {last[0]}")
+    # Seeds of another lab_seed or recipe stay (a few MB; lab-down removes them): a checkout of other code
+    # finds its own seed and only syncs it, instead of minutes of seeding again.
     partial.rename(final)
-    for old in final.parent.iterdir():  # seeds of another lab_seed or recipe
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
     return True
 
 
