@@ -17,13 +17,19 @@ def unit_argv() -> list[str]:
     return value.split("argv[]=")[1].split(" ;")[0].split()
 
 
-def settings() -> dict:
-    argv = unit_argv()
-    return json.loads(ct_ok(f"cat {argv[argv.index('--config') + 1]}"))
-
-
 def dest() -> str:
-    return settings()["dest"]
+    argv = unit_argv()
+    return argv[argv.index("--dest") + 1]
+
+
+def test_unit_and_settings_file_agree(converged) -> None:
+    """The unit spells its settings out; the trainer's ExecStartPre and L4's check read the file: the same."""
+    argv = unit_argv()
+    settings = json.loads(ct_ok("cat /etc/dflash/stage-model.json"))
+    flags = {
+        key: argv[argv.index(f"--{key}") + 1] for key in ("source", "dest", "manifest", "verify", "workers")
+    }
+    assert {key: str(value) for key, value in settings.items()} == flags
 
 
 def journal_since(cursor: str) -> str:

@@ -12,9 +12,9 @@ files plus the manifest. Run by dflash-stage-model.service after every boot, sin
   and only then replaces DEST by a rename: a reader never sees a half-staged model.
 - --check only says whether DEST is valid (exit 0) or not (exit 1); it changes nothing.
 - --config FILE reads the same settings from a JSON object ({"source", "dest", "manifest", "verify",
-  "workers"}; flags given as well win): the file roles/model_stage writes, so the staging unit, the trainer
+  "workers"}; flags given as well win): the file roles/model_stage writes beside the unit, so the trainer
   unit's ExecStartPre (a /dev/shm emptied without a reboot is restaged before the trainer loads) and L4's
-  content check run exactly the same staging.
+  content check run exactly the staging of the unit.
 - While it copies or hashes, a line every 10 s says how far it is.
 
 Standard library only (it runs before any venv matters). Exit status: 0 done, 1 error (one line), 2 usage.
