@@ -27,6 +27,15 @@ APT_PACKAGES=(lxc python3-lxc mmdebstrap debian-archive-keyring uidmap rsync ipr
               psmisc python3-venv build-essential dkms zstd)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
+beat() {  # beat WHAT CMD...: runs CMD; while it runs, a line every 10 s says so (a fresh machine: minutes)
+  local what=$1 pid t=0; shift
+  "$@" & pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1; t=$((t + 1))
+    if [ $((t % 10)) = 0 ] && kill -0 "$pid" 2>/dev/null; then echo "bootstrap: $what: still running (${t} s)"; fi
+  done
+  wait "$pid"
+}
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and manages LXC containers)"
 command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH; install python3 first"
@@ -39,7 +48,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${missing[*]}"
   apt-get update -qq || die "apt-get update failed"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+  beat "apt-get install" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
     || die "apt-get install failed for: ${missing[*]}"
 fi
 
@@ -61,7 +70,8 @@ new_venv() {
 
 if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"; then
   new_venv "$VENV"
-  pip_q "$VENV" install --require-hashes --requirement="$TOOLS_LOCK" || die "pip could not install $TOOLS_LOCK into $VENV"
+  beat "pip install $TOOLS_LOCK" pip_q "$VENV" install --require-hashes --requirement="$TOOLS_LOCK" \
+    || die "pip could not install $TOOLS_LOCK into $VENV"
   "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
   # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -78,7 +88,8 @@ trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK" 
 if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
   new_venv "$TRAINER_VENV"
   # torch==2.13.0: the CPU wheel of pip's find-links, the one build whose hash the cpu lock carries.
-  pip_q "$TRAINER_VENV" install --require-hashes --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
+  beat "pip install $TRAINER_LOCK" pip_q "$TRAINER_VENV" install --require-hashes \
+    --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
     || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
   pip_q "$TRAINER_VENV" install --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
     || die "pip could not install $NODEPS_LOCK"
