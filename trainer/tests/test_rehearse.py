@@ -39,10 +39,12 @@ SMALL = {
 
 @pytest.mark.slow
 def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
+    """Two ranks (1:1 over gloo), as the two-GPU rehearsal; then the fault: one rank SIGKILLed mid-run."""
     out = tmp_path / "run"
     target = str(tmp_path / "target")
     cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out),
-           "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3"]  # fmt: skip
+           "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3",
+           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "12"]  # fmt: skip
     for key, value in SMALL.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(
@@ -56,5 +58,8 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     assert phase1["ready_s"] is not None and phase2["ready_s"] is not None  # READY=1 reached the socket
     assert phase1["term_to_exit_s"] is not None and phase1["watchdog_pings"] >= 1
     assert phase1["checkpoint_stalls_s"], "each save logs its stall"
-    assert [s["first_step"] for s in phase2["summaries"] if s.get("first_step")] == [4]  # resumed at 3
+    assert {s["first_step"] for s in phase2["summaries"] if s.get("first_step")} == {4}  # resumed at 3
     assert (out / "export" / "config.json").is_file()
+    fault = figures["fault"]
+    assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank
+    assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault

@@ -97,6 +97,7 @@ def _pump(proc: subprocess.Popen, log_path: Path, echo: re.Pattern) -> threading
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
+                log.flush()  # the fault scenario reads the log while the job runs
                 if echo.search(line):
                     print(line, end="", flush=True)
 
@@ -168,6 +169,89 @@ def run_phase(
         f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings"
     )
     return phase
+
+
+STARTED = re.compile(r"started \d+ rank\(s\): (.*)")
+SAVED = re.compile(r"checkpoint (step-\d+): stall")
+
+
+def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, rank: int,
+              timeout: float) -> dict:  # fmt: skip
+    """One rank killed mid-run (SIGKILL, as the OOM killer does): the launcher must end the job within seconds
+    naming that rank, and a restart must resume at the newest checkpoint. Its own short run under OUT/."""
+    fault = {"rank": rank}
+    launch = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config)]
+    log_path = out / "fault-run1.log"
+    start = time.time()
+    proc = subprocess.Popen([*launch, "--summary", str(out / "run1")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    pump = _pump(proc, log_path, ECHO)
+    pids: dict[int, int] = {}
+    saved = None
+    while proc.poll() is None and time.time() - start < timeout:
+        text = log_path.read_text() if log_path.exists() else ""
+        if m := STARTED.search(text):
+            pids = {int(r): int(p) for r, p in re.findall(r"(\d+)=pid (\d+)", m.group(1))}
+        found = SAVED.findall(text)
+        if found and pids:
+            saved = found[-1]
+            break
+        time.sleep(0.2)
+    if saved is None or rank not in pids:
+        proc.kill()
+        fault["error"] = f"no checkpoint or no pid of rank {rank} within {timeout:.0f} s"
+        return fault
+    killed = time.time()
+    try:
+        os.kill(pids[rank], signal.SIGKILL)
+    except ProcessLookupError:
+        proc.wait()
+        fault["error"] = f"rank {rank} had ended before the kill (the run was too short)"
+        return fault
+    say(f"fault: SIGKILL to rank {rank} (pid {pids[rank]}) after {saved}")
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    pump.join(timeout=5)
+    fault["job_ended_s"] = time.time() - killed
+    fault["exit_code"] = proc.returncode
+    text = log_path.read_text()
+    fault["named"] = f"rank {rank} killed by SIGKILL" in text
+    phase = run_phase("fault-run2", [*launch, "--summary", str(out / "fault-run2")], env, out, notify,
+                      pause_at=None, timeout=timeout)  # fmt: skip
+    newest = int(SAVED.findall(log_path.read_text())[-1].split("-")[1])
+    firsts = [s["first_step"] for s in phase.summaries if s.get("first_step")]
+    fault.update(
+        resumed_at=firsts[0] if firsts else None, checkpoint_step=newest, restart_exit=phase.exit_code
+    )
+    fault["ok"] = bool(
+        fault["exit_code"] not in (0, None) and fault["named"] and fault["job_ended_s"] < 30
+        and phase.exit_code == 0 and firsts and firsts[0] == newest + 1
+    )  # fmt: skip
+    say(f"fault: {fault}")
+    return fault
+
+
+_RATES = re.compile(r"one target: ([0-9.]+) tokens/s, one drafter: ([0-9.]+) tokens/s")
+
+
+def pipeline_efficiency(config: Path, world: int, env: dict[str, str], summaries: list[dict]) -> dict:
+    """Measured pipeline tokens/s (the drafter leader's, phase 2) over min(N*t, M*d) from `plan`'s standalone
+    figures measured in the same run on this machine."""
+    raw = tomllib.loads(config.read_text()).get("topology", {})
+    n, m = int(raw.get("targets", 1)), int(raw.get("drafters", 1))
+    proc = subprocess.run([*MAIN_CLI, "plan", str(max(2, world)), str(config)], env=env, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    found = _RATES.search(proc.stdout)
+    rates = [s["tokens_per_s"] for s in summaries if s.get("tokens_per_s")]
+    if not found or not rates:
+        return {"error": (proc.stderr or proc.stdout)[-500:] or "no rate in the summaries"}
+    t, d = float(found.group(1)), float(found.group(2))
+    bound = min(n * t, m * d)
+    return {"pipeline_tokens_per_s": rates[0], "target_tokens_per_s": t, "drafter_tokens_per_s": d,
+            "split": f"{n}:{m}", "efficiency": rates[0] / bound}  # fmt: skip
 
 
 # ---- what the run trains on ----
@@ -258,6 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SECTION.KEY=VALUE over the configuration (repeatable)",
     )
     parser.add_argument("--phase-timeout", type=float, default=900)
+    parser.add_argument("--fault-rank", type=int, help="afterwards: SIGKILL this rank mid-run, then restart")
+    parser.add_argument("--fault-steps", type=int, default=30, help="steps of the fault scenario's own run")
+    parser.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="afterwards: pipeline tokens/s over `plan`'s standalone bound",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -326,6 +417,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             check=False,
         )
         ok = ok and export.returncode == 0 and check.returncode == 0
+        if args.efficiency:
+            figures["efficiency"] = pipeline_efficiency(smoke_toml, world, env, p2.summaries)
+            say(f"efficiency: {figures['efficiency']}")
+        if args.fault_rank is not None:
+            fault_dir = out / "fault"
+            subprocess.run(
+                [*CLI, "smoke", "prepare", str(config), "--out", str(fault_dir), "--steps",
+                 str(args.fault_steps), "--stop-at", "10", "--keep-last", "1"],
+                check=True, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            figures["fault"] = run_fault(fault_dir / "smoke.toml", fault_dir, env, notify, world=world,
+                                         rank=args.fault_rank, timeout=args.phase_timeout)  # fmt: skip
+            ok = ok and bool(figures["fault"].get("ok"))
     finally:
         notify.close()
     figures["total_s"] = time.time() - t0
