@@ -44,10 +44,17 @@ def sh(cmd: str, *, check: bool = True, timeout: float = 120) -> subprocess.Comp
 
 def stage_venv() -> None:
     venv = ROOTFS / BASE.lstrip("/") / "venv"
+    if venv.is_symlink():  # a copied worktree .venv-trainer symlink: writing through it edits the original
+        venv.unlink()
     if not (venv / ".staged").exists():
         shutil.rmtree(venv, ignore_errors=True)
         venv.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-al", str(REPO / ".venv-trainer"), str(venv)], check=True)
+        # The real directory: a worktree's .venv-trainer is a symlink to the main checkout's, and `cp -a` of a
+        # symlink copies the link, through which the edits below would rewrite the shared venv.
+        source = (REPO / ".venv-trainer").resolve()
+        subprocess.run(["cp", "-al", f"{source}/.", str(venv)], check=True)
+        if venv.is_symlink() or not (venv / "bin").is_dir() or (venv / "bin").is_symlink():
+            raise AssertionError(f"{venv} is not a copy of {source}")
         for name in ("python3", "python"):  # replace the links (never write through a hard link)
             (venv / "bin" / name).unlink()
         (venv / "bin" / "python3").symlink_to("/usr/bin/python3.11")

@@ -289,10 +289,11 @@ def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None
     me = Identity(rank, role.value, str(device), socket.gethostname())
     if control is None:
         _setup_logging(me)
-    else:  # the service's journal format; the line prefix takes the role now
+    else:  # the service's journal format; the line prefix (and the rank's summary) take the role now
         from dflash_trainer.service.logs import set_role
 
         set_role(role.value)
+        os.environ["DFLASH_ROLE"] = role.value
     dist.init_process_group(backend, timeout=timedelta(seconds=opts.startup_timeout_s))
     monitor = PeerMonitor(me, world, interval=opts.heartbeat_s, dead_after=opts.dead_after_s).start()
     install_excepthooks(me, device, monitor)
