@@ -71,7 +71,7 @@ class ProxmoxHost:
     def remove(self) -> None:
         made = list(INSTALL.values())
         sh(
-            "for f in /boot/*.lab-boot; do [ -e \"$f\" ] && rm -f \"$f\" \"${f%.lab-boot}\"; done; true;"
+            'for f in /boot/*.lab-boot; do [ -e "$f" ] && rm -f "$f" "${f%.lab-boot}"; done; true;'
             f" rm -rf {' '.join(made + STATE)}"
         )
 

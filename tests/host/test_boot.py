@@ -1,8 +1,8 @@
-"""L0's kernel pins and L1's trial boot against lab-host dressed as a Proxmox host (tests/host/boot_standin.py:
-lab/boot_standin imitates proxmox-boot-tool, the boot loaders and proxmox-boot-cleanup.service, read from
-proxmox-kernel-helper's sources). For both kinds of host, systemd-boot on ESPs the tool manages (ZFS root) and
-plain GRUB: a pin the play makes is the kernel the next boot starts, and a trial boot starts the new kernel once,
-whether it comes up, hangs or panics."""
+"""L0's kernel pins and L1's trial boot against lab-host dressed as a Proxmox host
+(tests/host/boot_standin.py: lab/boot_standin imitates proxmox-boot-tool, the boot loaders and
+proxmox-boot-cleanup.service, read from proxmox-kernel-helper's sources). For both kinds of host, systemd-boot
+on ESPs the tool manages (ZFS root) and plain GRUB: a pin the play makes is the kernel the next boot starts,
+and a trial boot starts the new kernel once, whether it comes up, hangs or panics."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_commit_pin_is_what_boots(pve_host):
 
 @pytest.mark.parametrize("outcome", ["ok", "hang", "panic"])
 def test_trial_boot_starts_the_new_kernel_once(pve_host, outcome):
-    """Armed by the play, the next boot starts NEW; the one after it starts the pinned kernel again, whether NEW
-    came up (no commit yet), hung before userspace (power cycle) or panicked (kernel.panic reboots it)."""
+    """Armed by the play, the next boot starts NEW; the one after it starts the pinned kernel again, whether
+    NEW came up (no commit yet), hung before userspace (power cycle) or panicked (kernel.panic reboots it)."""
     running = running_kernel()
     pve_host.pin(running)
     run("tests/host/trial_arm.yml", "-e", f"host_kernel_version={NEW}")

@@ -131,16 +131,20 @@ def test_tarball_that_is_not_the_module_source_leaves_nothing(lab_host, tmp_path
 
 
 def test_kernel_bump_with_another_driver_registered_is_refused(lab_host):
-    """A new kernel's headers would make DKMS autoinstall the registered (old) driver for it; with a driver bump in
-    the same run L0 refuses before apt runs. A tiny DKMS module stands in for the old NVIDIA registration."""
+    """A new kernel's headers would make DKMS autoinstall the registered (old) driver for it; with a driver
+    bump in the same run L0 refuses before apt runs. A tiny DKMS module stands in for the old NVIDIA one."""
     tree = "/usr/src/labguard-1.0"
-    conf = 'PACKAGE_NAME="labguard"\\nPACKAGE_VERSION="1.0"\\nAUTOINSTALL="yes"\\n'
+    conf = (
+        'PACKAGE_NAME="labguard"\\nPACKAGE_VERSION="1.0"\\nAUTOINSTALL="yes"\\n'
+        'BUILT_MODULE_NAME[0]="labguard"\\nDEST_MODULE_LOCATION[0]="/updates/dkms"\\n'
+    )
     setup = attach("sh", "-ec", f"mkdir -p {tree}; printf '{conf}' > {tree}/dkms.conf; dkms add labguard/1.0")
     assert setup.returncode == 0, setup.stderr
     try:
         out = run_refused(
             "-e",
-            '{"host_kernel_version": "6.1.0-47-amd64", "host_kernel_packages": ["linux-headers-6.1.0-47-amd64"],'
+            '{"host_kernel_version": "6.1.0-47-amd64",'
+            ' "host_kernel_packages": ["linux-headers-6.1.0-47-amd64"],'
             ' "host_kernel_dkms_expected": {"labguard": "2.0"}}',
             play=L0,
         )

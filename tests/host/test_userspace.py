@@ -1,7 +1,8 @@
-"""L1 on a host that gets the NVIDIA userspace in the same run: nvidia-modprobe and nvidia-persistenced must be
-installed before the device-node and persistence units start, or their ConditionPathExists skips them silently
-and persistence stays off. A stand-in for NVIDIA's .run installer (it installs two tiny programs under the real
-names, and refuses to run without --no-kernel-modules) plays the userspace; lab-host's systemd runs the units."""
+"""L1 on a host that gets the NVIDIA userspace in the same run: nvidia-modprobe and nvidia-persistenced must
+be installed before the device-node and persistence units start, or their ConditionPathExists skips them
+silently and persistence stays off. A stand-in for the .run installer (it installs two tiny programs under
+the real names, and refuses to run without --no-kernel-modules) plays the userspace; lab-host's systemd runs
+the units."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from tests.host.conftest import HOST, attach, playbook
 RUNFILE = "/root/lab-nvidia-userspace.run"
 FAKE_RUN = b"""#!/bin/sh
 # Stand-in for NVIDIA-Linux-x86_64-VERSION.run (tests/host/test_userspace.py).
-case " $* " in *" --no-kernel-modules "*) ;; *) echo "would install kernel modules: refused" >&2; exit 1 ;; esac
+case " $* " in
+  *" --no-kernel-modules "*) ;;
+  *) echo "would install kernel modules: refused" >&2; exit 1 ;;
+esac
 printf '#!/bin/sh\\nexit 0\\n' > /usr/bin/nvidia-modprobe
-printf '#!/bin/sh\\n( exec sleep infinity ) </dev/null >/dev/null 2>&1 &\\nexit 0\\n' > /usr/bin/nvidia-persistenced
+printf '#!/bin/sh\\n( exec sleep infinity ) </dev/null >/dev/null 2>&1 &\\nexit 0\\n' \\
+  > /usr/bin/nvidia-persistenced
 chmod 0755 /usr/bin/nvidia-modprobe /usr/bin/nvidia-persistenced
 """
 CLEAN = (
@@ -51,4 +56,5 @@ def test_units_start_with_the_userspace_installed_in_the_same_run(lab_host):
         states = {u: active(u) for u in ("nvidia-device-nodes.service", "nvidia-persistenced.service")}
     finally:
         attach("sh", "-c", CLEAN)
-    assert states == {"nvidia-device-nodes.service": "active", "nvidia-persistenced.service": "active"}, states
+    want = {"nvidia-device-nodes.service": "active", "nvidia-persistenced.service": "active"}
+    assert states == want, states
