@@ -43,7 +43,7 @@ def group_hosts(config: pytest.Config, group: str) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "host" in metafunc.fixturenames:
+    if "inventory_hostname" in metafunc.fixturenames:  # host, hostvars, proxmox and what uses them
         group = metafunc.module.GROUP
         metafunc.parametrize("inventory_hostname", group_hosts(metafunc.config, group), scope="module")
 
