@@ -59,6 +59,16 @@ def host(request: pytest.FixtureRequest, inventory_hostname: str, hostvars: dict
     return host_for(inventory_hostname, hostvars, all_hostvars)
 
 
+@pytest.fixture(scope="module")
+def proxmox(request: pytest.FixtureRequest, hostvars: dict[str, Any]):
+    """The Proxmox host of a CT (its ct_proxmox_host): the host's side of the CT, such as its config file."""
+    name = hostvars.get("ct_proxmox_host")
+    if not name:
+        pytest.fail("ct_proxmox_host is not set for this CT in the inventory")
+    all_hostvars = _inventory(request.config)["_meta"]["hostvars"]
+    return host_for(name, all_hostvars.get(name, {}), all_hostvars)
+
+
 @pytest.fixture
 def gpus(hostvars: dict[str, Any]) -> list[int]:
     """CT 200's GPUs from the inventory (ct_gpus); checks that need them skip, saying why, without."""

@@ -52,9 +52,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)  # before torch and FLA load (seconds): a bad config fails at once
     from dflash_trainer.train.run import train
 
-    cfg = load_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     if cfg.service.save_on_stop:
@@ -197,7 +197,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 # ---- parser ----
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_plan: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash drafters.")
     parser.add_argument("--version", action="version", version=f"dflash-train {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -285,11 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
-    from dflash_trainer.distributed.plan import add_plan_arguments, plan_main
-
     plan = sub.add_parser("plan", help="measure target and drafter throughput; print the split of GPUS")
-    add_plan_arguments(plan)
-    plan.set_defaults(func=plan_main)
+    if with_plan:  # its module imports torch (seconds): only for `plan` itself
+        from dflash_trainer.distributed.plan import add_plan_arguments, plan_main
+
+        add_plan_arguments(plan)
+        plan.set_defaults(func=plan_main)
 
     for name, (_, text) in PASSTHROUGH.items():
         sub.add_parser(name, help=text, add_help=False)  # listed here, dispatched by main()
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_trainer import service
 
         return getattr(service, PASSTHROUGH[argv[0]][0])(argv[1:])
-    parser = build_parser()
+    parser = build_parser(with_plan="plan" in argv[:1])
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -63,8 +63,9 @@ def synth_shards(
     """Writes num_shards shards of `rows` rows each (seq_len tokens: a random prompt, then the target's greedy
     continuation with `mask_token_id` suppressed). Deterministic from the seed; returns the shard paths.
 
-    Prompt tokens are drawn below `vocab_size` (default: the target's), never `mask_token_id` (default: the
-    vocabulary's last id, the tiny targets' mask token, model.tiny.TINY_MASK_TOKEN_ID).
+    Every token is below `vocab_size` (default: the target's) and never `mask_token_id` (default: the
+    vocabulary's last id, the tiny targets' mask token, model.tiny.TINY_MASK_TOKEN_ID): prompts are drawn so,
+    and the greedy continuation is kept from picking them.
     """
     from dflash_trainer.model.target import load_target, read_text_config
 
@@ -78,6 +79,8 @@ def synth_shards(
         raise ValueError(f"mask_token_id must be a token id in [0, {text.vocab_size}), got {mask_id}")
     if not 1 <= vocab_size <= text.vocab_size or (vocab_size == 1 and mask_id == 0):
         raise ValueError(f"vocab_size must be in [1, {text.vocab_size}] and leave a token besides the mask")
+    # The mask id and every id at or above vocab_size are kept out of the continuation as of the prompts.
+    suppress = sorted({mask_id, *range(vocab_size, text.vocab_size)})
     num_layers = text.num_hidden_layers
     # Capturing the last layer keeps every layer loaded, so the causal LM's logits are the full target's.
     target = load_target(Path(target_dir), device="cpu", dtype=torch.float32, layer_ids=[num_layers - 1])
@@ -93,7 +96,7 @@ def synth_shards(
             max_new_tokens=new,
             eos_token_id=None,
             pad_token_id=0,
-            suppress_tokens=[mask_id],
+            suppress_tokens=suppress,
         )
         assert out.shape[1] == seq_len, out.shape
         return out

@@ -1,8 +1,9 @@
-"""`dflash-train preflight CONFIG [--json]`: what a run needs, checked in seconds, before any model loads.
+"""`dflash-train preflight CONFIG [--json] [--full]`: what a run needs, checked before any model loads.
 
 One line per check; each failure is ONE line that names the fix. Exit 1 on any failure (2 on bad usage).
 The unit runs it as ExecStartPre, so a broken machine fails the start in seconds, with the reason in the
-journal, instead of after the target has spent a minute loading.
+journal, instead of after the target has spent a minute loading. The model and the shards are compared with
+their manifests by size; `--full` reads and hashes every file (sha256, several files at once) as well.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trainer.config import ConfigError, TrainConfig, load_config, read_target_info, validate
+from dflash_trainer.manifest import human_bytes
 
 GiB = 1 << 30
 PROVISION_L4 = "make provision TAGS=l4 (restages the model and re-syncs the shards)"
@@ -52,6 +54,7 @@ class Context:
     nproc: int
     cfg: TrainConfig | None = None
     facts: dict = field(default_factory=dict)
+    full: bool = False  # hash the model and the shards against their manifests, not only their sizes
 
     def need_cfg(self) -> TrainConfig:
         if self.cfg is None:
@@ -63,6 +66,13 @@ class Context:
 
 
 def check_config(ctx: Context) -> str:
+    if not ctx.config_path.is_file():
+        what = "is a directory" if ctx.config_path.is_dir() else "no such file"
+        raise Failed(
+            f"{ctx.config_path}: {what}",
+            "pass the path of the training TOML (the unit's is trainer_service_config_path, written by L5: "
+            "make provision TAGS=l5)",
+        )
     try:
         ctx.cfg = load_config(ctx.config_path, check_paths=False)
     except ConfigError as e:
@@ -74,24 +84,28 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _require_manifested_dir(path: Path, key: str, what: str) -> None:
-    """The directory exists and matches its manifest (sizes); else one failure naming the first problem."""
-    from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
+def _require_manifested_dir(ctx: Context, path: Path, key: str, what: str):
+    """The directory exists and matches its manifest (sizes; sha256 too with --full); else one failure naming
+    the first problem. Returns the manifest.CheckResult, which says what was compared."""
+    from dflash_trainer.manifest import MANIFEST_NAME, verify_manifest
 
     if not path.is_dir():
         raise Failed(f"{key} {path}: no such directory", PROVISION_L4)
-    problems = check_manifest(path)
-    if problems:
+    result = verify_manifest(path, full=ctx.full)
+    if result.problems:
+        problems = result.problems
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         manifest = path / MANIFEST_NAME
         fix = PROVISION_L4 if manifest.exists() else f"write {manifest}: {PROVISION_L4}"
-        raise Failed(f"{what} {path}: {problems[0]}{more}", fix)
+        checked = "sha256 and sizes" if result.hashed else "sizes"
+        raise Failed(f"{what} {path}: {problems[0]}{more} ({checked} compared)", fix)
+    return result
 
 
 def check_model(ctx: Context) -> str:
     cfg = ctx.need_cfg()
     path = cfg.model.target_path
-    _require_manifested_dir(path, "model.target_path", "model")
+    checked = _require_manifested_dir(ctx, path, "model.target_path", "model")
     try:
         info = read_target_info(path)
         validate(cfg, target=info)
@@ -103,8 +117,8 @@ def check_model(ctx: Context) -> str:
     ctx.facts["hybrid"] = "linear_attention" in (text.get("layer_types") or [])
     ctx.facts["target"] = info
     return (
-        f"{path}: matches its manifest, {info.num_layers} layers, hidden {info.hidden_size}, "
-        f"{ctx.facts['model_bytes'] / GiB:.2f} GiB"
+        f"{path}: manifest matched ({checked.compared}), {info.num_layers} layers, "
+        f"hidden {info.hidden_size}, {human_bytes(ctx.facts['model_bytes'])}"
         + (", hybrid (linear attention)" if ctx.facts["hybrid"] else "")
     )
 
@@ -116,7 +130,7 @@ def check_shards(ctx: Context) -> str:
 
     cfg = ctx.need_cfg()
     path = cfg.data.shards
-    _require_manifested_dir(path, "data.shards", "shards")
+    checked = _require_manifested_dir(ctx, path, "data.shards", "shards")
     try:
         shards = list_shards(path)
     except DataError as e:
@@ -126,7 +140,7 @@ def check_shards(ctx: Context) -> str:
             pa.ipc.open_file(pa.memory_map(str(shard), "r"))
         except (pa.ArrowInvalid, OSError) as e:
             raise Failed(f"shard {shard}: not a complete Arrow IPC file ({e})", PROVISION_L4) from None
-    return f"{path}: {len(shards)} shards match their manifest and open"
+    return f"{path}: {len(shards)} shards open, manifest matched ({checked.compared})"
 
 
 def drafter_param_count(cfg: TrainConfig) -> int:
@@ -155,13 +169,33 @@ def check_disk(ctx: Context) -> str:
         )
     free = shutil.disk_usage(probe).free
     ctx.facts["checkpoint_bytes"] = per_ckpt
+    count = cfg.train.keep_last + 1
     if free < need:
+        mount = _mountpoint(probe)
+        held = _checkpoints_bytes(directory)
+        where = f"; the checkpoints already there hold {human_bytes(held)}" if held else ""
         raise Failed(
-            f"train.checkpoint_dir {directory}: {free / GiB:.1f} GiB free, "
-            f"{cfg.train.keep_last + 1} checkpoints of {per_ckpt / GiB:.2f} GiB need {need / GiB:.1f} GiB",
-            "free disk space, lower train.keep_last, or move train.checkpoint_dir",
+            f"train.checkpoint_dir {directory}: {human_bytes(free)} free on {mount}, "
+            f"{count} checkpoints of about {human_bytes(per_ckpt)} need {human_bytes(need)}{where}",
+            f"free {human_bytes(need - free)} or more on {mount} "
+            f"(`du -xsh {str(mount).rstrip('/')}/* | sort -h` finds what fills it), or lower "
+            "train.keep_last, or move train.checkpoint_dir to a larger file system",
         )
-    return f"{directory}: {free / GiB:.1f} GiB free for {cfg.train.keep_last + 1} x {per_ckpt / GiB:.2f} GiB"
+    return f"{directory}: {human_bytes(free)} free for {count} x {human_bytes(per_ckpt)}"
+
+
+def _mountpoint(path: Path) -> Path:
+    path = path.resolve()
+    while path.parent != path and path.parent.stat().st_dev == path.stat().st_dev:
+        path = path.parent
+    return path
+
+
+def _checkpoints_bytes(directory: Path) -> int:
+    try:
+        return _dir_bytes(directory) if directory.is_dir() else 0
+    except OSError:
+        return 0
 
 
 def check_shm(ctx: Context) -> str:
@@ -177,12 +211,12 @@ def check_shm(ctx: Context) -> str:
     need = model + ctx.nproc * (64 << 20)
     if usage.total < need:
         raise Failed(
-            f"/dev/shm is {usage.total / GiB:.2f} GiB, the model ({model / GiB:.2f} GiB) and "
-            f"{ctx.nproc} ranks need {need / GiB:.2f} GiB",
+            f"/dev/shm is {human_bytes(usage.total)}, the model ({human_bytes(model)}) and "
+            f"{ctx.nproc} ranks need {human_bytes(need)}",
             "raise ct_shm_size_mb (layer L2) and the CT memory limit with it",
         )
     where = "staged there" if staged else "not staged there"
-    return f"/dev/shm {usage.total / GiB:.2f} GiB, model {model / GiB:.2f} GiB ({where})"
+    return f"/dev/shm {human_bytes(usage.total)}, model {human_bytes(model)} ({where})"
 
 
 def check_memlock(ctx: Context) -> str:
@@ -458,6 +492,11 @@ def check_trackers(ctx: Context) -> str:
         with tempfile.TemporaryDirectory(prefix=f"preflight-{name}-") as scratch:
             try:
                 trackers.try_offline(cfg, name, Path(scratch))
+            except trackers.TrackerError as e:
+                raise Failed(
+                    f"tracker {name}: {e}",
+                    f"make that directory creatable, or change it in {ctx.config_path} [trackers]",
+                ) from None
             except Exception as e:
                 raise Failed(
                     f"tracker {name} did not start offline: {type(e).__name__}: {e}",
@@ -489,8 +528,8 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
 ]
 
 
-def run_checks(config_path: Path, *, nproc: int = 1) -> list[Check]:
-    ctx = Context(Path(config_path), nproc)
+def run_checks(config_path: Path, *, nproc: int = 1, full: bool = False) -> list[Check]:
+    ctx = Context(Path(config_path), nproc, full=full)
     results = []
     for name, fn in CHECKS:
         start = time.perf_counter()
@@ -523,9 +562,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=int(os.environ.get("DFLASH_NPROC", "1")),
         help="ranks the launch will start (default $DFLASH_NPROC or 1)",
     )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="hash the model and the shards (sha256) against their manifests, not only compare sizes",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    checks = run_checks(args.config, nproc=args.nproc)
+    checks = run_checks(args.config, nproc=args.nproc, full=args.full)
     elapsed = time.perf_counter() - start
     ok = all(c.ok for c in checks)
     if args.json:

@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "rehearsal.json").write_text(json.dumps(figures, indent=1) + "\n")
     report = subprocess.run(
         [*CLI, "smoke", "report", str(out), "--steps", str(args.steps), "--stop-at", str(args.stop_at),
-         "--t0", str(t0)], check=False,
+         "--t0", str(t0)], check=False, env=os.environ | {"DFLASH_SMOKE_KEEP": "1"},  # OUT holds the figures
     )  # fmt: skip
     for p in (p1, p2):
         ready, first = (None if v is None else round(v, 1) for v in (p.ready_s, p.first_step_s))

@@ -4,14 +4,21 @@
 step horizon moved into DIR (wandb left out: a smoke run writes to no team dashboard). The script then runs
 `serve` twice as a transient unit (steps 1..STOP, SIGTERM, then a resume to STEPS), and `report DIR` checks
 what those runs left and prints the summary and one PASS or FAIL line.
+
+A smoke run cleans up after itself (a reference-sized checkpoint is tens of GB): `report` removes DIR after a
+PASS (DFLASH_SMOKE_KEEP=1 keeps it), and `prepare` removes what earlier runs left beside DIR (the work
+directories of failed runs, kept for a look until the next run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import sys
+import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +63,9 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int
         if isinstance(value, str) and not Path(value).is_absolute():
             raw[section][key] = str((base / value).resolve())
     out.mkdir(parents=True, exist_ok=True)
+    for old in earlier_runs(out):
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"smoke: removed {old} (an earlier run's work directory)", file=sys.stderr)
     train = raw.setdefault("train", {})
     train.update(
         checkpoint_dir=str(out / "checkpoints"),
@@ -75,6 +85,19 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int
     path = out / "smoke.toml"
     path.write_text(f"# Written by `dflash-train smoke prepare {config}`.\n" + dump_toml(raw))
     return path
+
+
+def earlier_runs(out: Path) -> list[Path]:
+    """Work directories of earlier smoke runs beside OUT: same name stem (dflash-smoke.XXXXXX), each holding
+    a smoke.toml (so nothing else of that name is touched)."""
+    stem = out.name.split(".")[0]
+    if not stem or stem == out.name:
+        return []
+    return sorted(
+        p
+        for p in out.parent.glob(f"{stem}.*")
+        if p != out and p.is_dir() and not p.is_symlink() and (p / "smoke.toml").is_file()
+    )
 
 
 def _gib(n: float) -> str:
@@ -168,6 +191,15 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
                 f", walk tau {e['walk_tau']:.2f} ({e['walk_steps']:.0f} verify steps, {e['walk_s']:.1f} s)"
             )
         lines.append(line)
+    if t0 is not None:
+        lines.append(f"total: {time.time() - t0:.0f} s since `make smoke-train`")
+    keep = os.environ.get("DFLASH_SMOKE_KEEP", "0") not in ("", "0")
+    if problems or keep:
+        why = "DFLASH_SMOKE_KEEP is set" if keep else "kept for a look; the next smoke run removes it"
+        lines.append(f"work directory {out} ({why})")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        lines.append(f"work directory {out} removed (DFLASH_SMOKE_KEEP=1 keeps it)")
     print("---- smoke summary")
     for line in lines:
         print(line)
