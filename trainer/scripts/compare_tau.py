@@ -16,6 +16,7 @@ the walk's cost next to the training step's. CPU only; a few minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -93,7 +94,7 @@ def main() -> None:
             vocab_size=TINY_MASK_TOKEN_ID,
         )
     config = CONFIG.format(mask=TINY_MASK_TOKEN_ID, steps=args.steps)
-    config = config.replace("eval_walk_prompts = 16", f"eval_walk_prompts = {args.prompts}")
+    config = re.sub(r"eval_walk_prompts = \d+", f"eval_walk_prompts = {args.prompts}", config)
     (work / "train.toml").write_text(config)
     run = Run(load_config(work / "train.toml"))
     prompts = walk_prompts(run.target.held_out, args.prompts, 10_000)

@@ -42,8 +42,8 @@ checkpoint_dir = "checkpoints"
 ema_decay = 0.98
 ema_every = 1
 eval_every = 0
-eval_walk_prompts = 16
-eval_walk_new_tokens = 64
+eval_walk_prompts = 8
+eval_walk_new_tokens = 48
 device = "cpu"
 dtype = "float32"
 """

@@ -232,7 +232,8 @@ def walk_prompt(
                 produced, stopped = int(hit[0]) + 1, True
         accepted_drafts += accepted
         rejections += int(accepted < size - 1)
-        target.rollback(start, produced, block)
+        if start + produced + 1 < max_length and not stopped:  # the walk goes on from here
+            target.rollback(start, produced, block)
         kept = _features(verify.hidden_states, spec.target_layer_ids)[:, :produced]
         context = torch.cat([context, kept], dim=1)
         start += produced
