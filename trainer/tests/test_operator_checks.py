@@ -44,10 +44,10 @@ def test_manifest_check_says_what_it_compared(tmp_path):
     flip_byte(tmp_path / "a.bin", 1500)
     sizes = verify_manifest(tmp_path)
     assert sizes.ok and not sizes.hashed
-    assert sizes.compared == "sizes of 1 files (contents not hashed; --full hashes them)"
+    assert sizes.compared == "sizes of 1 files, contents not hashed (--full hashes them)"
     full = verify_manifest(tmp_path, full=True)
     assert full.problems == ["a.bin: sha256 differs from the manifest"]
-    assert full.compared.startswith("sha256 of 1 files (2.9 KiB, ")
+    assert full.compared.startswith("sha256 of 1 files, 2.9 KiB in ")
 
 
 def test_preflight_names_sizes_and_full_hashes_a_flipped_shard(tmp_path):
@@ -56,12 +56,12 @@ def test_preflight_names_sizes_and_full_hashes_a_flipped_shard(tmp_path):
     flip_byte(shard, shard.stat().st_size // 2)  # inside the data: the Arrow footer still opens
 
     ctx = context(path)
-    assert "(sizes of 1 files (contents not hashed" in preflight.check_model(ctx)
+    assert "; manifest matched: sizes of 1 files, contents not hashed" in preflight.check_model(ctx)
     detail = preflight.check_shards(ctx)
-    assert detail.startswith(f"{tmp_path / 'shards'}: 1 shards open, manifest matched (sizes of 1 files")
+    assert detail.startswith(f"{tmp_path / 'shards'}: 1 shards open; manifest matched: sizes of 1 files")
 
     ctx = context(path, full=True)
-    assert "manifest matched (sha256 of 1 files" in preflight.check_model(ctx)
+    assert "; manifest matched: sha256 of 1 files, " in preflight.check_model(ctx)
     with pytest.raises(preflight.Failed) as e:
         preflight.check_shards(ctx)
     assert e.value.detail == (
@@ -75,7 +75,7 @@ def test_preflight_cli_takes_full(tmp_path, capsys):
     flip_byte(tmp_path / "shards" / "a.arrow", (tmp_path / "shards" / "a.arrow").stat().st_size // 2)
     preflight.main([str(path)])
     out = capsys.readouterr()
-    assert "ok   shards:" in out.out and "(sizes of 1 files" in out.out
+    assert "ok   shards:" in out.out and "manifest matched: sizes of 1 files" in out.out
     assert preflight.main([str(path), "--full"]) == 1
     out = capsys.readouterr()
     assert "FAIL shards:" in out.err and "a.arrow: sha256 differs from the manifest" in out.err

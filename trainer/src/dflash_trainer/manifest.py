@@ -74,10 +74,10 @@ class CheckResult:
 
     @property
     def compared(self) -> str:
-        """'sha256 of 4 files (1.2 MiB, 0.1 s)' or 'sizes of 4 files (hashes not read: --full does)'."""
+        """'sha256 of 4 files, 1.2 MiB in 0.1 s' or 'sizes of 4 files, contents not hashed (...)'."""
         if self.hashed:
-            return f"sha256 of {self.files} files ({human_bytes(self.bytes)}, {self.seconds:.1f} s)"
-        return f"sizes of {self.files} files (contents not hashed; --full hashes them)"
+            return f"sha256 of {self.files} files, {human_bytes(self.bytes)} in {self.seconds:.1f} s"
+        return f"sizes of {self.files} files, contents not hashed (--full hashes them)"
 
 
 def human_bytes(n: float) -> str:

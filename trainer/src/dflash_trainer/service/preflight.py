@@ -117,9 +117,10 @@ def check_model(ctx: Context) -> str:
     ctx.facts["hybrid"] = "linear_attention" in (text.get("layer_types") or [])
     ctx.facts["target"] = info
     return (
-        f"{path}: manifest matched ({checked.compared}), {info.num_layers} layers, "
-        f"hidden {info.hidden_size}, {human_bytes(ctx.facts['model_bytes'])}"
+        f"{path}: {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"{human_bytes(ctx.facts['model_bytes'])}"
         + (", hybrid (linear attention)" if ctx.facts["hybrid"] else "")
+        + f"; manifest matched: {checked.compared}"
     )
 
 
@@ -140,7 +141,7 @@ def check_shards(ctx: Context) -> str:
             pa.ipc.open_file(pa.memory_map(str(shard), "r"))
         except (pa.ArrowInvalid, OSError) as e:
             raise Failed(f"shard {shard}: not a complete Arrow IPC file ({e})", PROVISION_L4) from None
-    return f"{path}: {len(shards)} shards open, manifest matched ({checked.compared})"
+    return f"{path}: {len(shards)} shards open; manifest matched: {checked.compared}"
 
 
 def drafter_param_count(cfg: TrainConfig) -> int:
