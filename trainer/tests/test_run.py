@@ -251,3 +251,26 @@ def test_disk_full_is_one_line_naming_the_cause_and_path(tmp_path, monkeypatch):
     with pytest.raises(ck.CheckpointError, match=r"^checkpoint step-00000050 in .*: OSError: \[Errno 28\]"):
         ck.save_checkpoint(tmp_path / "x", 50, {"a": torch.ones(3)}, {}, keep_last=2)
     assert list((tmp_path / "x").iterdir()) == []
+
+
+def test_a_failing_evaluation_is_logged_and_training_goes_on(
+    tmp_path, tiny_target, shards, caplog, monkeypatch
+):
+    """An evaluation bug (a walk crashing on a new target kind, say) ends neither the step nor the run: one
+    ERROR line names the evaluation and its cause, and the figures carry `<name>_failed`, which fails the
+    smoke report."""
+    import dflash_trainer.train.run as run_module
+
+    def walk_figures(ctx):
+        raise RuntimeError("the walk's cache rollback broke")
+
+    monkeypatch.setattr(run_module, "EVAL_HOOKS", [run_module.held_out_figures, walk_figures])
+    cfg = load_config(tiny_run_config(tmp_path / "run.toml", tiny_target("qwen3_5"), shards))
+    run = Run(cfg)
+    with caplog.at_level("ERROR"):
+        figures = run.evaluate()
+    assert figures["walk_figures_failed"] == 1.0 and "loss" in figures
+    assert (
+        "evaluation walk_figures at step 0 failed: RuntimeError: the walk's cache rollback broke"
+        in caplog.text
+    )

@@ -179,6 +179,10 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
             )
             for dev, n in s["peak_memory_bytes"].items():
                 lines.append(f"  peak memory {dev}: {_gib(n)}")
+    for s in [*all1, *all2]:
+        failed = sorted(k for k in (s.get("eval") or {}) if k.endswith("_failed"))
+        if failed:
+            problems.append(f"rank {s['rank']}: evaluation failed ({', '.join(failed)}; see its ERROR line)")
     evaluated = [s for s in [*all1, *all2] if s.get("eval")]
     if evaluated:  # the drafter leader's newest evaluation (figures come from target rank 0)
         s = max(evaluated, key=lambda s: s.get("eval_step") or 0)

@@ -475,7 +475,14 @@ class TargetSide:
         drafter.eval()  # every hook sees the drafter as it serves
         try:
             for hook in self.eval_hooks:
-                figures |= hook(ctx)
+                try:
+                    figures |= hook(ctx)
+                except (
+                    Exception
+                ) as e:  # an evaluation bug must not end a days-long run; the smoke fails on it
+                    log.error("evaluation %s at step %d failed: %s: %s (training goes on)",
+                              hook.__name__, step, type(e).__name__, e, exc_info=True)  # fmt: skip
+                    figures[f"{hook.__name__}_failed"] = 1.0
         finally:
             drafter.train(was_training)
         if figures:
