@@ -23,7 +23,6 @@ LOCK_OVERRIDE=${IMAGE_LOCK:-}  # the variant's lock otherwise: requirements.lock
 LOCK=""
 PACKAGES_IN=${IMAGE_PACKAGES_IN:-$REPO/image/packages.in}
 PINS=${IMAGE_PINS:-$REPO/image/packages.txt}
-CONSTRAINTS=$REPO/image/constraints.txt
 STORAGE=${IMAGE_STORAGE:-local}
 PY=/usr/bin/python3   # Debian's, the image's Python: not whatever python3 comes first on PATH
 ANSIBLE_PLAYBOOK=$REPO/.venv/bin/ansible-playbook  # renders the units from the roles' templates (make bootstrap)
@@ -139,15 +138,31 @@ sources() {
 wheels() {  # the lock's wheels for VARIANT in the warm wheelhouse; offline when it already holds them
   local wh=$CACHE/wheels/$VARIANT
   mkdir -p "$wh"
-  local args=(download --quiet --only-binary=:all: --requirement "$LOCK" --constraint "$CONSTRAINTS" --dest "$wh")
-  if "$PY" -m pip "${args[@]}" --isolated --no-index --find-links "$wh" >/dev/null 2>&1; then
+  # --require-hashes: every file must match one of its pin's sha256 in the lock, here and again at install.
+  local args=(download --quiet --only-binary=:all: --require-hashes --requirement "$LOCK" --dest "$wh")
+  local err=$TMP/pip-download.err
+  if "$PY" -m pip "${args[@]}" --isolated --no-index --find-links "$wh" >/dev/null 2>"$err"; then
     echo "wheelhouse $wh already holds the lock"
-  elif [ "$VARIANT" = cpu ]; then
-    # pip's configuration here offers the CPU build of torch (find-links): that is what the cpu variant takes.
-    "$PY" -m pip "${args[@]}" || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
-  else
-    # --isolated: no local find-links or constraints, so torch==X is PyPI's CUDA build with its NVIDIA wheels.
-    "$PY" -m pip "${args[@]}" --isolated || die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
+    return 0
+  fi
+  # A file of the wheelhouse that matches none of its hashes: pip deletes it ("Previously-downloaded file ...
+  # has bad hash", then pip 23.0 fails on the file it deleted), and the download below fetches it again.
+  local bad
+  for bad in $(sed -n 's/.*Previously-downloaded file \(.*\) has bad hash.*/\1/p' "$err" | sort -u); do
+    echo "image: $(basename "$bad") in the wheelhouse matched none of its hashes in $(basename "$LOCK"): \
+removed, fetching it again"
+    rm -f "$bad"
+  done
+  # pip's configuration here offers the CPU build of torch (find-links): that is what the cpu variant takes;
+  # the cuda variant asks PyPI alone (--isolated), so torch==X is its CUDA build with its NVIDIA wheels.
+  local source=(); [ "$VARIANT" = cpu ] || source=(--isolated)
+  if ! "$PY" -m pip "${args[@]}" "${source[@]}" 2>"$err"; then
+    grep -v "is ignored" "$err" >&2 || true
+    if grep -q "DO NOT MATCH THE HASHES" "$err"; then
+      die "a downloaded file matches none of its hashes in $(basename "$LOCK"): $(hash_mismatch "$err"); \
+refused (tampered with, or the lock is stale: 'make lock' and review)"
+    fi
+    die "the lock does not resolve for $VARIANT: $(basename "$LOCK") (see pip's error above)"
   fi
   if [ "$VARIANT" = cpu ] && ! compgen -G "$wh/torch-*+cpu-*.whl" >/dev/null; then
     die "no CPU build of torch in $wh: the cpu variant needs pip's find-links to offer one (pip config list)"
@@ -155,6 +170,11 @@ wheels() {  # the lock's wheels for VARIANT in the warm wheelhouse; offline when
   if [ "$VARIANT" = cuda ] && compgen -G "$wh/torch-*+cpu-*.whl" >/dev/null; then
     die "$wh holds a CPU build of torch; remove it and rebuild"
   fi
+}
+
+hash_mismatch() {  # hash_mismatch PIP_STDERR: "NAME==VERSION (expected H, got H)" of each file pip refused
+  awk '/ from .*:$/ { req = $1 } /Expected sha256/ { want = $3 } /Got/ { print req " (expected " want ", got " $2 ")" }' \
+    "$1" | paste -sd ';' -
 }
 
 trainer_wheel() {  # from a copy of trainer/, so the build writes nothing into the source tree

@@ -3,37 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import shutil
 import sys
 from pathlib import Path
 
 from lab import containers, image, seed, services
 from lab.errors import LabError
+from lab.progress import heartbeat
 from lab.settings import REPO, LabSettings, load_settings
+
+# Files the lab made outside lab_dir in earlier versions; lab-down removes them too.
+LEGACY_FILES = (Path("/tmp/dflash-smoke-lab.log"),)
+
+
+def _ensure_one_container(settings: LabSettings, spec) -> bool:
+    # CT 200's stand-in runs the CT image, as on a host; the host's stand-in a plain Debian minbase.
+    if spec.role == "ct":
+        make_rootfs = image.image_rootfs(settings)
+        if containers.is_complete(spec.name) and not image.read_record(
+            image.ct_record_path(settings, spec.name)
+        ):
+            print(f"lab: {spec.name} has no record of a CT image (an older lab): rebuilding", flush=True)
+            containers.remove(spec.name)
+    else:
+        make_rootfs = containers.minbase_rootfs(settings)
+    part = containers.ensure_container(spec, settings, make_rootfs)
+    print(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}", flush=True)
+    return part
 
 
 def up(settings: LabSettings) -> bool:
+    """Builds what is missing. The slow parts of a first build run side by side (the CT image build waits on
+    the network and dpkg more than on the CPU): each container, and the seeding of the bucket's data."""
     changed = False
-    for spec in settings.containers:
-        # CT 200's stand-in runs the CT image, as on a host; the host's stand-in a plain Debian minbase.
-        if spec.role == "ct":
-            make_rootfs = image.image_rootfs(settings)
-            if containers.is_complete(spec.name) and not image.read_record(
-                image.ct_record_path(settings, spec.name)
-            ):
-                print(f"lab: {spec.name} has no record of a CT image (an older lab): rebuilding", flush=True)
-                containers.remove(spec.name)
-        else:
-            make_rootfs = containers.minbase_rootfs(settings)
-        part = containers.ensure_container(spec, settings, make_rootfs)
-        print(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}", flush=True)
-        changed |= part
+    with concurrent.futures.ThreadPoolExecutor(len(settings.containers) + 1) as pool:
+        seeding = pool.submit(seed.ensure_seed_files, settings)
+        builds = [pool.submit(_ensure_one_container, settings, spec) for spec in settings.containers]
+        errors = []
+        for future in [*builds, seeding]:  # every part finishes (or fails) before the first error is raised
+            try:
+                changed |= future.result()
+            except LabError as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
     for daemon in services.daemons(settings):
         part = services.ensure_daemon(settings, daemon)
         print(f"lab: {daemon.name:<20} {'started' if part else 'ok'} ({daemon.url})", flush=True)
         changed |= part
-    part = seed.ensure_seed_files(settings)
-    part = seed.ensure_bucket(settings) or part
+    with heartbeat(f"syncing the seed into s3://{settings.s3_bucket}"):
+        part = seed.ensure_bucket(settings)
     print(f"lab: bucket {settings.s3_bucket:<13} {'seeded' if part else 'ok'}", flush=True)
     changed |= part
     print(f"lab: {'changed' if changed else 'up, nothing changed'}")
@@ -49,6 +69,10 @@ def down(settings: LabSettings) -> None:
         print(f"lab: {daemon.name:<20} {'stopped' if stopped else 'not running'}")
     shutil.rmtree(settings.lab_dir, ignore_errors=True)
     print(f"lab: removed {settings.lab_dir}")
+    for path in LEGACY_FILES:  # what older versions of `make smoke-train` left outside lab_dir
+        if path.exists():
+            path.unlink()
+            print(f"lab: removed {path}")
     leftovers = [
         f"{d.host}:{d.port} ({owner})"
         for d in services.daemons(settings)
@@ -62,7 +86,14 @@ def status(settings: LabSettings) -> bool:
     rows: list[tuple[str, bool, str]] = []
     for spec in settings.containers:
         systemd = containers.systemd_state(spec.name)
-        rows.append((f"container {spec.name}", systemd == "running", f"systemd {systemd}"))
+        pid = containers.init_pid(spec.name)
+        rows.append(
+            (
+                f"container {spec.name}",
+                systemd == "running",
+                f"systemd {systemd}" + (f", init PID {pid}" if pid else ""),
+            )
+        )
         if spec.role == "ct":
             made_from = image.read_record(image.ct_record_path(settings, spec.name))
             rows.append(
@@ -74,7 +105,9 @@ def status(settings: LabSettings) -> bool:
             )
     daemons = services.daemons(settings)
     for daemon in daemons:
-        rows.append((daemon.name, services.answering(daemon), daemon.url))
+        pid = services.our_pid(settings, daemon)
+        where = f"{daemon.url}, PID {pid}" if pid else f"{daemon.url}, no process of the lab"
+        rows.append((daemon.name, services.answering(daemon), where))
     s3_up = any(d.name == "s3" and services.answering(d) for d in daemons)
     listing = seed.bucket_listing(settings) if s3_up else []
     shards = [key for key in listing if key.startswith(seed.SHARDS_PREFIX) and key.endswith(".arrow")]

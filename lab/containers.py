@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.progress import heartbeat
 from lab.settings import ContainerSpec, LabSettings
 
 LXC_ROOT = Path("/var/lib/lxc")
@@ -56,6 +57,13 @@ def base_rootfs(settings: LabSettings) -> Path:
     tar.parent.mkdir(parents=True, exist_ok=True)
     partial = tar.with_suffix(".partial.tar")
     print(f"lab: building the {settings.suite} root filesystem with mmdebstrap (about 30 s)", flush=True)
+    with heartbeat(f"mmdebstrap {settings.suite} minbase"):
+        _mmdebstrap(settings, partial)
+    partial.rename(tar)
+    return tar
+
+
+def _mmdebstrap(settings: LabSettings, partial: Path) -> None:
     run(
         [
             "mmdebstrap",
@@ -68,8 +76,6 @@ def base_rootfs(settings: LabSettings) -> Path:
         ],
         timeout=900,
     )
-    partial.rename(tar)
-    return tar
 
 
 def minbase_rootfs(settings: LabSettings) -> RootfsMaker:
@@ -126,6 +132,12 @@ def state(name: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else "ABSENT"
 
 
+def init_pid(name: str) -> int | None:
+    """PID (on this machine) of the container's init, None when it is not running."""
+    proc = run(["lxc-info", "-n", name, "-p", "-H"], check=False)
+    return int(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip().isdigit() else None
+
+
 def attach(name: str, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return run(["lxc-attach", "-n", name, "--", *cmd], check=False, timeout=timeout)
 
@@ -158,7 +170,14 @@ def wait_booted(name: str, timeout_s: float = BOOT_TIMEOUT_S) -> None:
     """Polls until systemd reports a finished boot; early attaches fail or find no bus: not an error."""
     deadline = time.monotonic() + timeout_s
     status = ""
+    last_said = time.monotonic()
     while time.monotonic() < deadline:
+        if time.monotonic() - last_said >= 10:
+            print(
+                f"lab: {name}: waiting for systemd to finish booting ({status or 'no answer yet'})",
+                flush=True,
+            )
+            last_said = time.monotonic()
         status = attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
         if status in ("running", "degraded", "maintenance", "stopping"):
             break

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from lab import containers
 from lab.errors import LabError
+from lab.progress import heartbeat
 from lab.settings import REPO, LabSettings
 
 BUILD_DIR = REPO / "build" / "image"
@@ -105,7 +106,10 @@ def ensure_image(variant: str = "cpu") -> BuiltImage:
         flush=True,
     )
     try:  # its phase lines go to the console as they come; the details to its log
-        proc = subprocess.run([str(BUILD_SCRIPT), variant], timeout=BUILD_TIMEOUT_S, check=False)
+        with heartbeat(
+            f"building the {variant} CT image (details: tail -f {BUILD_DIR / (variant + '.log')})"
+        ):
+            proc = subprocess.run([str(BUILD_SCRIPT), variant], timeout=BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as err:
         raise LabError(f"image/build.sh {variant} ran past {BUILD_TIMEOUT_S} s") from err
     if proc.returncode != 0:
@@ -126,6 +130,16 @@ def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
     if partial.exists():
         containers.run(["rm", "-rf", "--one-file-system", str(partial)], timeout=300)
     partial.mkdir(parents=True)
+    with heartbeat(f"unpacking {archive.name} for {hostname}"):
+        _unpack(archive, partial)
+    (partial / "etc" / "hostname").write_text(hostname + "\n")
+    resolv = partial / "etc" / "resolv.conf"
+    resolv.unlink(missing_ok=True)
+    shutil.copyfile("/etc/resolv.conf", resolv)
+    partial.rename(rootfs)
+
+
+def _unpack(archive: Path, partial: Path) -> None:
     containers.run(
         [
             "tar",
@@ -141,11 +155,6 @@ def rootfs_from_image(archive: Path, rootfs: Path, hostname: str) -> None:
         ],
         timeout=600,
     )
-    (partial / "etc" / "hostname").write_text(hostname + "\n")
-    resolv = partial / "etc" / "resolv.conf"
-    resolv.unlink(missing_ok=True)
-    shutil.copyfile("/etc/resolv.conf", resolv)
-    partial.rename(rootfs)
 
 
 def ct_record_path(settings: LabSettings, name: str) -> Path:

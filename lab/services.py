@@ -117,7 +117,7 @@ def _pidfile(settings: LabSettings, d: Daemon) -> Path:
     return settings.run_dir / f"{d.name}.pid"
 
 
-def _our_pid(settings: LabSettings, d: Daemon) -> int | None:
+def our_pid(settings: LabSettings, d: Daemon) -> int | None:
     try:
         pid = int(_pidfile(settings, d).read_text())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -162,7 +162,7 @@ def _wait(condition: Callable[[], bool], timeout: float) -> bool:
 
 
 def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
-    pid = _our_pid(settings, d)
+    pid = our_pid(settings, d)
     if pid is not None and answering(d):
         return False
     if pid is not None:
@@ -197,7 +197,7 @@ def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
 
 
 def stop_daemon(settings: LabSettings, d: Daemon) -> bool:
-    pid = _our_pid(settings, d)
+    pid = our_pid(settings, d)
     _pidfile(settings, d).unlink(missing_ok=True)
     if pid is None:
         return False

@@ -2,6 +2,8 @@
 # Installs everything the project needs on a Debian 12 machine (root, python3 with pip):
 # the Debian packages, then the project venv (.venv) from the pinned locks.
 # A second run with nothing to do costs about a second: the venv carries a stamp of the locks it was built from.
+# Every lock carries the sha256 of each file it may install and is installed with --require-hashes (pip refuses a
+# file that matches none, and any package the lock does not pin); scripts/lock.sh writes them.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,10 +13,13 @@ TRAINER_VENV=${TRAINER_VENV:-$ROOT/.venv-trainer}
 # Two environments, as on a real deployment: the operator's tooling (.venv: ansible, molecule, testinfra, awscli)
 # and exactly what CT 200 runs (.venv-trainer: trainer/requirements.lock, plus pytest and test-only clients).
 TOOLS_LOCK="$ROOT/requirements/tools.lock"
-TRAINER_LOCK="$ROOT/trainer/requirements.lock"
+# A GPU machine installs the CUDA lock (PyPI's torch and the CUDA libraries it needs):
+#   TRAINER_LOCK=trainer/requirements-cuda.lock make bootstrap
+TRAINER_LOCK=${TRAINER_LOCK:-$ROOT/trainer/requirements.lock}
 TRAINER_TEST_LOCK="$ROOT/requirements/trainer-test.lock"
 # Test-only clients installed without their dependencies (their runtime needs are in the trainer lock).
 NODEPS_LOCK="$ROOT/requirements/test-clients.lock"
+PIP_LOCK="$ROOT/requirements/pip.lock"  # the pip each venv is upgraded to first
 
 # lxc + python3-lxc: the lab's containers and Ansible's community.general.lxc connection.
 # mmdebstrap + keyring: root filesystems for the lab and the CT image. dkms + build tools: the L1 driver build.
@@ -22,10 +27,19 @@ APT_PACKAGES=(lxc python3-lxc mmdebstrap debian-archive-keyring uidmap rsync ipr
               psmisc python3-venv build-essential dkms zstd)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
+beat() {  # beat WHAT CMD...: runs CMD; while it runs, a line every 10 s says so (a fresh machine: minutes)
+  local what=$1 pid t=0; shift
+  "$@" & pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1; t=$((t + 1))
+    if [ $((t % 10)) = 0 ] && kill -0 "$pid" 2>/dev/null; then echo "bootstrap: $what: still running (${t} s)"; fi
+  done
+  wait "$pid"
+}
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and manages LXC containers)"
 command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH; install python3 first"
-for lock in "$TOOLS_LOCK" "$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK"; do [ -r "$lock" ] || die "missing lock file $lock"; done
+for lock in "$TOOLS_LOCK" "$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK"; do [ -r "$lock" ] || die "missing lock file $lock"; done
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -34,7 +48,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${missing[*]}"
   apt-get update -qq || die "apt-get update failed"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+  beat "apt-get install" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
     || die "apt-get install failed for: ${missing[*]}"
 fi
 
@@ -51,12 +65,13 @@ pip_q() {  # pip_q VENV ARGS...: quiet pip that keeps its exit status and drops 
 new_venv() {
   echo "bootstrap: building $1 (a few minutes the first time)"
   [ -x "$1/bin/python" ] || "$PYTHON" -m venv "$1" || die "could not create venv at $1"
-  pip_q "$1" install --upgrade pip || die "could not upgrade pip in $1"
+  pip_q "$1" install --require-hashes --requirement="$PIP_LOCK" || die "could not install $PIP_LOCK into $1"
 }
 
-if ! venv_current "$VENV" "$TOOLS_LOCK"; then
+if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"; then
   new_venv "$VENV"
-  pip_q "$VENV" install --requirement="$TOOLS_LOCK" || die "pip could not install $TOOLS_LOCK into $VENV"
+  beat "pip install $TOOLS_LOCK" pip_q "$VENV" install --require-hashes --requirement="$TOOLS_LOCK" \
+    || die "pip could not install $TOOLS_LOCK into $VENV"
   "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
   # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -65,17 +80,20 @@ if ! venv_current "$VENV" "$TOOLS_LOCK"; then
     ln -sfn "$f" "$site/$(basename "$f")"
   done
   "$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
-  stamp_venv "$VENV" "$TOOLS_LOCK"
+  stamp_venv "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"
   echo "bootstrap: $VENV ready"
 fi
 
-trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$ROOT/trainer/pyproject.toml")
+trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK" "$ROOT/trainer/pyproject.toml")
 if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
   new_venv "$TRAINER_VENV"
-  # torch==2.13.0 resolves to the CPU wheel where pip's find-links offers it, to PyPI's CUDA build elsewhere.
-  pip_q "$TRAINER_VENV" install --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
+  # torch==2.13.0: the CPU wheel of pip's find-links, the one build whose hash the cpu lock carries.
+  beat "pip install $TRAINER_LOCK" pip_q "$TRAINER_VENV" install --require-hashes \
+    --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
     || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
-  pip_q "$TRAINER_VENV" install --no-deps --requirement="$NODEPS_LOCK" || die "pip could not install $NODEPS_LOCK"
+  pip_q "$TRAINER_VENV" install --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
+    || die "pip could not install $NODEPS_LOCK"
+  # The trainer itself from this tree: an editable install has no file to hash.
   pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
   stamp_venv "$TRAINER_VENV" "${trainer_inputs[@]}"
   echo "bootstrap: $TRAINER_VENV ready"

@@ -1,6 +1,13 @@
-"""Checks INVENTORY before a play: it exists, parses, has the groups the plays target, and each training CT's
-rank count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc (the rule lives
-with the role that renders the unit: roles/trainer_service/filter_plugins/dflash_train_config.py)."""
+"""Checks INVENTORY before a play reads it: it exists, every YAML file in it parses (an error names the file
+and line), its vault files are encrypted, it has the groups the plays target, and each training CT's rank
+count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc (the rule lives with the
+role that renders the unit: roles/trainer_service/filter_plugins/dflash_train_config.py).
+
+Vault rule: a file named vault.yml or vault.yaml under the inventory's group_vars/ or host_vars/ holds secrets
+and must be ansible-vault encrypted (its first line starts with `$ANSIBLE_VAULT;`); a plain one is refused
+before anything reads it. inventory/lab has none (its secrets are random files under lab_dir that `make lab`
+writes); inventory/example's holds placeholders and is refused until a copy of it is filled in and encrypted.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 GROUPS = ("proxmox_hosts", "training_cts")
 REPO = Path(__file__).resolve().parents[1]
@@ -26,11 +35,77 @@ def rank_problems(data: dict) -> list[str]:
     return [p for h in hosts for p in module.host_problems(h, hostvars.get(h, {}), reference)]
 
 
+VAULT_NAMES = ("vault.yml", "vault.yaml")
+VAULT_HEADER = "$ANSIBLE_VAULT;"
+YAML_SUFFIXES = (".yml", ".yaml")
+
+
+class _AnsibleYaml(yaml.SafeLoader):
+    """Safe YAML that accepts Ansible's tags (!vault, !unsafe) without building anything from them."""
+
+
+_AnsibleYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def encrypted(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(len(VAULT_HEADER)) == VAULT_HEADER.encode()
+
+
+def yaml_files(inventory: Path) -> list[Path]:
+    if inventory.is_file():
+        return [inventory]
+    return sorted(p for p in inventory.rglob("*") if p.is_file() and p.suffix in YAML_SUFFIXES)
+
+
+def syntax_error(path: Path) -> str | None:
+    """'FILE line L, column C: PROBLEM' for a file that is not YAML; None when it parses (or is a vault)."""
+    if encrypted(path):
+        return None
+    try:
+        yaml.load(path.read_text(), Loader=_AnsibleYaml)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        context = (
+            f" ({err.context} at line {err.context_mark.line + 1})"
+            if err.context and err.context_mark
+            else ""
+        )
+        return f"{path}{where}: YAML syntax error: {err.problem}{context}"
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        return f"{path}: not YAML: {err}"
+    return None
+
+
+def plain_vaults(inventory: Path) -> list[Path]:
+    if not inventory.is_dir():
+        return []
+    found = []
+    for tree in ("group_vars", "host_vars"):
+        found += [p for p in (inventory / tree).rglob("*") if p.name in VAULT_NAMES and p.is_file()]
+    return sorted(p for p in found if not encrypted(p))
+
+
 def check(inventory: Path) -> list[str]:
     if not inventory.exists():
         return [f"INVENTORY={inventory}: no such file or directory (try inventory/lab or inventory/example)"]
+    problems = [f"INVENTORY={inventory}: {e}" for p in yaml_files(inventory) if (e := syntax_error(p))]
+    problems += [
+        f"INVENTORY={inventory}: {vault} is not encrypted; a vault file holds secrets and is never read "
+        f"in plain text: fill it in, then `ansible-vault encrypt {vault}` (inventory/example's holds "
+        "placeholders: copy the directory first) and give the password through ANSIBLE_VAULT_PASSWORD_FILE"
+        for vault in plain_vaults(inventory)
+    ]
+    if problems:
+        return problems
     tool = str(Path(sys.executable).parent / "ansible-inventory")
     proc = subprocess.run([tool, "-i", str(inventory), "--list"], capture_output=True, text=True, check=False)
+    if "no vault secrets" in proc.stderr:
+        return [
+            f"INVENTORY={inventory}: its vault files are encrypted and no vault password was given: "
+            "set ANSIBLE_VAULT_PASSWORD_FILE to a file holding it"
+        ]
     noise = [line for line in proc.stderr.splitlines() if "Unable to parse" in line or "ERROR" in line]
     if proc.returncode != 0 or noise:
         detail = (noise or proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -7,15 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
-# NVLink multicast stays off on shared hosts (the device tool's rule).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/trainer/src:${PYTHONPATH:-}
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+source "$(dirname "$0")/gpu_env.sh"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
 run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, the tail to the terminal

@@ -5,7 +5,9 @@
 # (PROVISION=1 forces it). Reaches the container with lxc-attach in the lab, with ssh + pct exec on a real host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-T0=$(date +%s.%N)
+# The clock of the summary's "time to first step": from when `make smoke-train` was typed (the Makefile passes
+# it, before bootstrap), else from here.
+T0=${DFLASH_SMOKE_T0:-$(date +%s.%N)}
 INVENTORY=${INVENTORY:-inventory/lab}
 VENV=${VENV:-$PWD/.venv}
 export PATH="$VENV/bin:$PATH" ANSIBLE_CONFIG=${ANSIBLE_CONFIG:-$PWD/ansible/ansible.cfg}
@@ -40,9 +42,11 @@ ct() {  # ct CMD...: run a command inside the container, output streamed
 host=${d:-${c:-$b}}
 
 if [ "$INVENTORY" = inventory/lab ] || [ "$kind" = lxc ]; then
-  if ! make --no-print-directory lab >/tmp/dflash-smoke-lab.log 2>&1; then
-    ct true 2>/dev/null || { tail -3 /tmp/dflash-smoke-lab.log; echo "smoke-train: the lab is not up (make lab)"; echo FAIL; exit 1; }
-    echo "smoke-train: warning: make lab reported a problem, but $b answers; going on ($(tail -1 /tmp/dflash-smoke-lab.log))"
+  # Its progress streams here (minutes on a fresh machine: the CT image, the seed), nothing hides in a file.
+  echo "smoke-train: make lab (builds or repairs the lab; seconds when it is up)"
+  if ! make --no-print-directory lab; then
+    ct true 2>/dev/null || { echo "smoke-train: the lab is not up (make lab failed above)"; echo FAIL; exit 1; }
+    echo "smoke-train: warning: make lab reported the problem above, but $a answers; going on"
   fi
 fi
 if [ "${PROVISION:-0}" = 1 ] || ! ct test -x /usr/local/sbin/dflash-smoke 2>/dev/null; then
@@ -50,4 +54,4 @@ if [ "${PROVISION:-0}" = 1 ] || ! ct test -x /usr/local/sbin/dflash-smoke 2>/dev
   make --no-print-directory provision INVENTORY="$INVENTORY" TAGS=l3,l4,l5
 fi
 echo "smoke-train: dflash-smoke in $host ($kind)"
-ct env DFLASH_SMOKE_T0="$T0" /usr/local/sbin/dflash-smoke
+ct env DFLASH_SMOKE_T0="$T0" DFLASH_SMOKE_KEEP="${DFLASH_SMOKE_KEEP:-0}" /usr/local/sbin/dflash-smoke

@@ -2,7 +2,8 @@
 # mmdebstrap --customize-hook for the CT image: runs on the build machine with $1 = the image's root directory,
 # after apt installed the Debian packages. Its inputs come from image/build.sh through IMAGE_* variables.
 #   1. the installed Debian set must equal image/packages.txt (pins drift when the mirror moves on);
-#   2. the trainer venv at /opt/dflash/venv from the lock, offline, from the build's wheelhouse;
+#   2. the trainer venv at /opt/dflash/venv from the lock, offline, from the build's wheelhouse, every file checked
+#      against the lock's sha256 (--require-hashes);
 #   3. the units of the CT's services (image/units.yml renders them from the roles) and the tools they run;
 #   4. /etc/dflash/image.json; files that differ between build machines are removed.
 # shellcheck disable=SC2016  # hook strings and dpkg-query formats are expanded later, by design
@@ -42,7 +43,6 @@ unmount_wheels() { mountpoint -q "$ROOT$STAGE/wheels" && umount "$ROOT$STAGE/whe
 install_venv() {
   mkdir -p "$ROOT$STAGE/wheels"
   cp "$IMAGE_LOCK" "$ROOT$STAGE/requirements.lock"
-  cp "$IMAGE_REPO/image/constraints.txt" "$ROOT$STAGE/constraints.txt"
   cp "$IMAGE_TRAINER_WHEEL_PATH" "$ROOT$STAGE/"
   cp "$IMAGE_REPO/image/manifest.py" "$ROOT$STAGE/manifest.py"
   # Read-only bind mount: nothing the chroot does (or a failed cleanup) can touch the warm wheelhouse.
@@ -50,9 +50,9 @@ install_venv() {
   mount -o remount,bind,ro "$ROOT$STAGE/wheels"
   trap unmount_wheels EXIT
   in_chroot python3 -m venv "$VENV"
-  in_chroot "$VENV/bin/python" -m pip install -q --no-index --find-links "$STAGE/wheels" \
-    --requirement "$STAGE/requirements.lock" --constraint "$STAGE/constraints.txt" \
-    || die "pip could not install the lock from the wheelhouse"
+  # --require-hashes: a wheel in the wheelhouse that matches none of its pin's sha256 is refused.
+  in_chroot "$VENV/bin/python" -m pip install -q --no-index --find-links "$STAGE/wheels" --require-hashes \
+    --requirement "$STAGE/requirements.lock" || die "pip could not install the lock from the wheelhouse"
   # By name from a find-links directory, not by path: pip freeze then says dflash-trainer==VERSION.
   in_chroot "$VENV/bin/python" -m pip install -q --no-index --no-deps --find-links "$STAGE" \
     "dflash-trainer==$IMAGE_TRAINER_VERSION" || die "pip could not install the trainer wheel"

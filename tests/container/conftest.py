@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fakepve.pytest_plugin as fakepve_plugin
 import pytest
+
+from lab.fakepve_daemon import LabFakePve
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -46,6 +49,18 @@ class Run:
             r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*(?:\n {6,}\S.*)*)", self.out
         )
         return " ".join(found.group(1).split()).strip("'\" ") if found else self.out[-2000:]
+
+
+@pytest.fixture
+def fakepve(request, _fakepve_pki, monkeypatch):
+    """The plugin's fakepve fixture, served by the lab's LabFakePve (lab/fakepve_daemon.py): it answers a CT's
+    description and a host shutdown as a real PVE host does, so the tests see what the lab's daemon shows."""
+    monkeypatch.setattr(fakepve_plugin, "FakePve", LabFakePve)
+    serving = fakepve_plugin._serve(fakepve_plugin._options(request), _fakepve_pki)
+    try:
+        yield serving.pve
+    finally:
+        serving.stop()
 
 
 @pytest.fixture
@@ -114,7 +129,7 @@ def lab(tmp_path: Path, pve) -> dict[str, Any]:
 
 
 @pytest.fixture
-def play(tmp_path: Path, lab: dict[str, Any]):
+def play(tmp_path: Path, lab: dict[str, Any], pve):
     """play(**overrides) runs ansible/l2_container.yml against the fake; returns Run."""
 
     def run(**overrides: Any) -> Run:
@@ -141,9 +156,20 @@ def play(tmp_path: Path, lab: dict[str, Any]):
                 }
             )
         )
+        # The host's `pct`: lab/pct_standin/pct, calling this fakepve as root@pam, as root on a host would.
+        bindir = tmp_path / "hostbin"
+        bindir.mkdir(exist_ok=True)
+        if not (bindir / "pct").exists():
+            (bindir / "pct").symlink_to(REPO / "lab" / "pct_standin" / "pct")
+        pct_conf = tmp_path / "lab-pct.json"
+        url = f"https://{host_vars['pve_api_host']}:{host_vars['pve_api_port']}"
+        pct_conf.write_text(
+            json.dumps({"url": url, "node": "pve1", "user": "root@pam", "password": "secret"})
+        )
         env = {
             **os.environ,
-            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "PATH": f"{bindir}:{BIN}:{os.environ['PATH']}",
+            "LAB_PCT_CONFIG": str(pct_conf),
             "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_FORCE_COLOR": "0",

@@ -30,10 +30,13 @@ def lab_up() -> bool:
 pytestmark = pytest.mark.skipif(not lab_up(), reason="needs the lab (make lab)")
 
 
-def l3_preflight(module_version: str) -> subprocess.CompletedProcess[str]:
+SHA256 = "0" * 64  # the preflight checks its form; get_url checks the file against it
+
+
+def l3_preflight(module_version: str, **more) -> subprocess.CompletedProcess[str]:
     version_file = Path(f"/var/lib/lxc/{HOST}/rootfs{VERSION_FILE}")
     version_file.write_text(PROC_LINE.format(version=module_version))
-    extra = {"ct_gpus": [0], "ct_variant": "cuda", "ct_nvidia_host_version_file": VERSION_FILE}
+    extra = {"ct_gpus": [0], "ct_variant": "cuda", "ct_nvidia_host_version_file": VERSION_FILE, **more}
     env = {
         **os.environ,
         "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
@@ -73,5 +76,14 @@ def test_host_driver_too_old_for_the_locks_cuda_is_refused() -> None:
 
 
 def test_host_driver_of_the_locks_cuda_passes_the_preflight() -> None:
-    run = l3_preflight("580.95.05")
+    run = l3_preflight("580.95.05", ct_nvidia_installer_sha256=SHA256)
     assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
+
+
+def test_nvidia_installer_without_a_checksum_is_refused() -> None:
+    """The .run runs as root in the CT: without its sha256 it is refused, as L1 refuses the host's."""
+    run = l3_preflight("580.95.05")
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode != 0
+    assert "ct_nvidia_installer_sha256 is not set for NVIDIA-Linux-x86_64-580.95.05.run" in out, out[-2000:]
+    assert "a version without a checksum is refused" in out

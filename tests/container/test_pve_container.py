@@ -10,8 +10,10 @@ import json
 import socket
 from pathlib import Path
 
+import fakepve.pytest_plugin as plugin
 import pytest
 
+from lab.fakepve_daemon import LabFakePve
 from tests.container.conftest import GPUS
 
 DEVICES = [f"/dev/nvidia{g}" for g in GPUS] + [
@@ -36,6 +38,7 @@ def test_create_then_rerun_changes_nothing(pve, play, lab) -> None:
     assert (cfg["memory"], cfg["cores"], cfg["hostname"], cfg["onboot"]) == (4096, 4, "ct200", 1)
     assert "unprivileged" not in cfg, "CT 200 must be privileged"
     assert "hwaddr=BC:24:11:AA:BB:CC" in cfg["net0"]
+    assert "firewall=1" in cfg["net0"], "net0 lacks the Proxmox firewall"
     assert cfg["rootfs"].startswith("local-lvm:") and "size=8G" in cfg["rootfs"]
     assert sorted(devn(cfg).values()) == sorted(DEVICES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
@@ -133,12 +136,19 @@ def test_bad_token_is_one_clear_error(pve, play) -> None:
 
 
 def test_unreachable_api_is_one_clear_error(play) -> None:
+    """Issue 20: the cause was cut mid-word ("...: ess/ticket (Caused by NewConnectionError(...") and printed
+    twice. Now: one line naming the API and the whole cause."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens on it once closed
     run = play(pve_api_host="127.0.0.1", pve_api_port=port)
     assert run.rc != 0
-    assert f"Proxmox API https://127.0.0.1:{port}" in run.error() and "connection refused" in run.error()
+    lines = [line for line in run.out.splitlines() if f"Proxmox API https://127.0.0.1:{port}" in line]
+    assert len(lines) == 1, "the error is printed more than once:\n" + "\n".join(lines)
+    assert lines[0].endswith(
+        f"Proxmox API https://127.0.0.1:{port}: login: cannot connect: [Errno 111] Connection refused"
+        " (is pveproxy running?)"
+    ), lines[0]
 
 
 def test_offline_node_is_one_clear_error(pve, play) -> None:
@@ -147,24 +157,60 @@ def test_offline_node_is_one_clear_error(pve, play) -> None:
     assert run.rc != 0 and "pve1" in run.error() and ("offline" in run.error() or "595" in run.error())
 
 
-def test_token_cannot_set_devn_so_auto_uses_raw_lines(pve, play, lab) -> None:
+def test_token_for_the_api_and_pct_for_devn(pve, play, lab) -> None:
+    """A token cannot set devN (the API refuses it, as PVE does); auto mode sets them with `pct` on the host,
+    where root is root@pam, and the token does everything else. No raw device lines are needed."""
     refused = play(
         pve_api_password="", pve_api_token_id="ci", pve_api_token_secret="token-secret", ct_device_mode="api"
     )
     assert refused.rc != 0 and "root@pam" in refused.error()
-    run = play(
-        pve_api_password="",
-        pve_api_token_id="ci",
-        pve_api_token_secret="token-secret",
-        ct_features=[],
-        ct_device_mode="auto",
-    )
+    token = {"pve_api_password": "", "pve_api_token_id": "ci", "pve_api_token_secret": "token-secret"}
+    run = play(**token, ct_features=[], ct_device_mode="auto")
     assert run.rc == 0, run.error()
-    assert devn(pve.ct(200).config) == {}
+    assert sorted(devn(pve.ct(200).config).values()) == sorted(DEVICES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
-    for path in DEVICES:
-        rel = path.lstrip("/")
-        assert conf.count(f"lxc.mount.entry: {path} {rel} none bind,optional,create=file\n") == 1
+    assert "lxc.mount.entry: /dev/nvidia" not in conf and "lxc.cgroup2.devices.allow" not in conf
+    again = play(**token, ct_features=[], ct_device_mode="auto")
+    assert again.rc == 0 and again.changed == 0, again.error()
+
+
+# The token's privileges docs/container-layers.md documents for an unprivileged CT 200 (a privileged one also
+# needs Sys.Modify on / to be created). fakepve checks each call against them as PVE's schema does.
+LEAST_PRIVILEGES = (
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Config.CPU",
+    "VM.Config.Memory",
+    "VM.Config.Network",
+    "VM.Config.Options",
+    "VM.Config.Disk",
+    "VM.PowerMgmt",
+    "Datastore.AllocateSpace",
+    "Datastore.AllocateTemplate",
+    "Datastore.Audit",
+    "SDN.Use",
+)
+
+
+def test_least_privilege_token_provisions_an_unprivileged_ct(pve, play) -> None:
+    pve.apitokens["root@pam!dflash"] = "least-secret"
+    pve.grant("root@pam!dflash", "/", *LEAST_PRIVILEGES)
+    token = {"pve_api_password": "", "pve_api_token_id": "dflash", "pve_api_token_secret": "least-secret"}
+    run = play(**token, ct_unprivileged=True, ct_features=[])
+    assert run.rc == 0, run.error()
+    cfg = pve.ct(200).config
+    assert cfg.get("unprivileged") == 1 and sorted(devn(cfg).values()) == sorted(DEVICES)
+
+
+def test_api_certificate_checked_against_a_ca_bundle(pve, play, fakepve_cafile) -> None:
+    """A PVE certificate is signed by the cluster's own CA: with that CA as pve_api_ca_file every API call
+    verifies the certificate; without it the play stops with one line saying what to set."""
+    untrusted = play(pve_api_validate_certs=True)
+    assert untrusted.rc != 0
+    assert "TLS certificate not trusted" in untrusted.error() and "pve_api_ca_file" in untrusted.error()
+    run = play(pve_api_validate_certs=True, pve_api_ca_file=fakepve_cafile)
+    assert run.rc == 0, run.error()
+    assert pve.ct(200) is not None and pve.ct(200).status == "running"
 
 
 def test_devn_through_a_token_is_refused_by_the_api(pve) -> None:
@@ -207,3 +253,56 @@ def test_devices_stay_unduplicated_across_runs_and_rewrites(pve, play, lab) -> N
     assert main.count("lxc.prlimit.memlock: unlimited\n") == 1 and main.startswith("arch: amd64\ncores: 4\n")
     assert snapshot == "\narch: amd64\nlxc.prlimit.memlock: unlimited\n", "the snapshot section was touched"
     assert play(ct_gpus=[0]).changed == 0
+
+
+def test_description_comes_back_as_pve_stores_it_and_a_rerun_changes_nothing(pve, play) -> None:
+    """PVE answers the description with a trailing newline and community.proxmox compares strings split on
+    commas: a description with a comma and without that newline is "changed" on every run against a real
+    host."""
+    first = play(ct_description="DFlash CT (managed by Ansible, roles/pve_container)")
+    assert first.rc == 0, first.error()
+    assert pve.ct(200) is not None
+    second = play(ct_description="DFlash CT (managed by Ansible, roles/pve_container)")
+    assert second.rc == 0, second.error()
+    assert second.changed == 0, f"second run changed {second.changed} things"
+
+
+def test_host_shutdown_gives_the_trainer_its_stop_timeout(pve, play) -> None:
+    """A host reboot stops CT 200 with its startup down= timeout (180 s when unset), then kills it: the CT's
+    timeout must cover the trainer unit's TimeoutStopSec (a checkpoint save) plus the rest of its shutdown."""
+    run = play(trainer_service_timeout_stop_sec=900)
+    assert run.rc == 0, run.error()
+    ct = pve.ct(200)
+    ct.shutdown_secs = 900 + 30  # the save takes the whole stop timeout, then the rest stops
+    assert pve.host_shutdown("pve1") == {200: "clean"}, f"CT 200 startup is {ct.config.get('startup')!r}"
+
+
+def test_shutdown_timeout_below_the_trainers_stop_timeout_is_refused(pve, play) -> None:
+    run = play(trainer_service_timeout_stop_sec=900, ct_shutdown_timeout_s=600)
+    assert run.rc != 0
+    assert "ct_shutdown_timeout_s=600 is below" in run.error() and "900" in run.error()
+    assert pve.ct(200) is None
+
+
+def test_a_restarted_api_keeps_the_template_and_the_ct(pve, play, tmp_path: Path, _fakepve_pki) -> None:
+    """Issue 20: after a restart of the lab's API the template was uploaded again. A real host keeps its
+    storage and /etc/pve; the lab's daemon keeps them in state.json, so L2 against it changes nothing."""
+
+    assert play().rc == 0
+    state = tmp_path / "state.json"
+    pve.state_path = state
+    pve.save_state()
+    LabFakePve.state_path = state  # read by the next server at start
+    try:
+        restarted = plugin._serve({"user": "root@pam", "password": "secret", "time_scale": 0}, _fakepve_pki)
+    finally:
+        LabFakePve.state_path = None
+    try:
+        assert restarted.pve.ct(200) is not None, "the restarted API lost CT 200"
+        run = play(pve_api_port=restarted.pve.port)
+        uploads = [r for r in restarted.pve.requests if r[1].endswith("/upload")]
+    finally:
+        restarted.stop()
+    assert run.rc == 0, run.error()
+    assert not uploads, "the template was uploaded again"
+    assert run.changed == 0, f"L2 against the restarted API changed {run.changed} things"

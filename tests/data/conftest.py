@@ -55,30 +55,31 @@ def _deployed_matches_repo() -> bool:
     )
 
 
+def converge_l4() -> subprocess.CompletedProcess[str]:
+    """ansible-playbook molecule/data-l4/converge.yml: L4 against the test bucket, output captured."""
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
+        "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
+        "ANSIBLE_NOCOLOR": "1",
+    }
+    return subprocess.run(
+        [str(REPO / ".venv/bin/ansible-playbook"), "-i", "inventory/lab", "molecule/data-l4/converge.yml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def converged() -> None:
     """Seeds the test bucket and converges L4 onto it (skipped when the container runs these tools)."""
     s3data.seed()
     if not _deployed_matches_repo():
-        env = {
-            **os.environ,
-            "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
-            "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
-        }
-        proc = subprocess.run(
-            [
-                str(REPO / ".venv/bin/ansible-playbook"),
-                "-i",
-                "inventory/lab",
-                "molecule/data-l4/converge.yml",
-            ],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
+        proc = converge_l4()
         assert proc.returncode == 0, proc.stdout[-3000:]
 
 

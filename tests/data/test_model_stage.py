@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from tests.data import s3data
-from tests.data.conftest import SHM_WORK, STAGE, ct, ct_ok
+from tests.data.conftest import SHM_WORK, STAGE, converge_l4, ct, ct_ok
 
 UNIT = "dflash-stage-model.service"
 
@@ -20,6 +20,16 @@ def unit_argv() -> list[str]:
 def dest() -> str:
     argv = unit_argv()
     return argv[argv.index("--dest") + 1]
+
+
+def test_unit_and_settings_file_agree(converged) -> None:
+    """The unit spells its settings out; the trainer's ExecStartPre and L4's check read the file: the same."""
+    argv = unit_argv()
+    settings = json.loads(ct_ok("cat /etc/dflash/stage-model.json"))
+    flags = {
+        key: argv[argv.index(f"--{key}") + 1] for key in ("source", "dest", "manifest", "verify", "workers")
+    }
+    assert {key: str(value) for key, value in settings.items()} == flags
 
 
 def journal_since(cursor: str) -> str:
@@ -63,6 +73,45 @@ def test_full_check_finds_a_corrupt_staged_copy(converged) -> None:
     proc = ct(shell_join([*unit_argv(), "--verify", "full"]))
     assert proc.returncode == 0, proc.stderr
     assert "sha256 differs from the manifest" in proc.stdout and "staged 2 files" in proc.stdout
+
+
+def test_provision_hashes_the_staged_copy_and_restages_a_flipped_byte(converged) -> None:
+    """L4 (the play `make provision TAGS=l4` runs) compares contents, not sizes: a byte flipped in the staged
+    model is found, the file is named, the model restaged; the next run changes nothing."""
+    ct_ok(f"printf Z | dd of={dest()}/model.safetensors bs=1 seek=200 conv=notrunc status=none")
+    proc = converge_l4()
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    said = " ".join(proc.stdout.split())  # the YAML result format folds long lines
+    assert f"{dest()}/model.safetensors: sha256 differs from the manifest" in said, proc.stdout[-3000:]
+    assert "staged 2 files" in said
+    assert ct(shell_join([*unit_argv(), "--check", "--verify", "full"])).returncode == 0
+    again = converge_l4()
+    assert again.returncode == 0 and "changed=0" in again.stdout.split("PLAY RECAP")[-1], again.stdout[-2000:]
+
+
+def test_staging_prints_progress_while_it_copies(work: str) -> None:
+    """A long copy says how far it is at least every 10 s (the period made short here)."""
+    size = 64 << 20
+    ct_ok(f"mkdir -p {work}/big && head -c {size} /dev/urandom > {work}/big/weights.bin")
+    digest = ct_ok(f"sha256sum {work}/big/weights.bin").split()[0]
+    manifest = {"version": 1, "files": [{"path": "weights.bin", "size": size, "sha256": digest}]}
+    ct_ok(f"echo '{json.dumps(manifest)}' > {work}/big/MANIFEST.json")
+    proc = ct(f"DFLASH_STAGE_PROGRESS_S=0.05 {STAGE} --source {work}/big --dest {SHM_WORK}/model --workers 1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if f"copying {work}/big to {SHM_WORK}/model:" in line]
+    assert lines and "of 64.0 MiB" in lines[-1], proc.stdout
+
+
+def test_settings_file_errors_are_one_line(work: str) -> None:
+    ct_ok(f"echo '{{\"dest\": 5}}' > {work}/stage.json")
+    proc = ct(f"{STAGE} --config {work}/stage.json")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"dflash-stage-model: error: {work}/stage.json: dest must be a str, got 5"
+    proc = ct(f"{STAGE} --config {work}/missing.json")
+    assert proc.stderr.strip() == (
+        f"dflash-stage-model: error: {work}/missing.json: "
+        "no such file (written by roles/model_stage, layer L4)"
+    )
 
 
 def test_too_small_dev_shm_is_refused_before_copying(work: str) -> None:

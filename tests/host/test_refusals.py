@@ -9,6 +9,7 @@ import tarfile
 
 import pytest
 
+from tests.host.boot_standin import ProxmoxHost, running_kernel
 from tests.host.conftest import attach, playbook, snapshot
 
 L1 = "ansible/l1_driver.yml"
@@ -94,30 +95,19 @@ def test_source_that_does_not_build_leaves_nothing(lab_host, tmp_path, version):
     assert "deliberately broken" in out or "make-" in out
 
 
-# Stand-ins that make lab-host look like a Proxmox host for one play; the boot tool only records its calls.
-FAKE_PROXMOX = """
-cat > /usr/sbin/proxmox-boot-tool <<'X'
-#!/bin/sh
-echo "$*" >> /run/fake-proxmox-boot-tool.log
-X
-printf '#!/bin/sh\\necho pve-manager/9.0.0\\n' > /usr/bin/pveversion
-chmod 0755 /usr/sbin/proxmox-boot-tool /usr/bin/pveversion
-: > /boot/vmlinuz-6.1.0-47-amd64
-rm -f /run/fake-proxmox-boot-tool.log
-"""
-REMOVE_FAKE = "rm -f /usr/sbin/proxmox-boot-tool /usr/bin/pveversion /boot/vmlinuz-6.1.0-47-amd64"
-
-
 def test_trial_boot_refused_without_the_module(lab_host):
-    """A kernel whose NVIDIA module was never built is not booted: no pin, no reboot."""
-    attach("sh", "-c", FAKE_PROXMOX)
+    """A kernel whose NVIDIA module was never built is not booted: no pin, no one-shot entry, no reboot."""
+    host = ProxmoxHost("grub", ["6.1.0-47-amd64", running_kernel()])
+    host.install()
     try:
+        host.pin(running_kernel())
+        before = host.calls()
         out = run_refused("-e", "host_kernel_version=6.1.0-47-amd64", play="tests/host/trial_boot.yml")
-        calls = attach("sh", "-c", "cat /run/fake-proxmox-boot-tool.log 2>/dev/null").stdout
+        calls = host.calls()[len(before) :]
     finally:
-        attach("sh", "-c", REMOVE_FAKE + " /run/fake-proxmox-boot-tool.log")
+        host.remove()
     assert "refusing to boot 6.1.0-47-amd64: module(s) nvidia, nvidia-uvm not built for it" in out
-    assert calls == "", f"proxmox-boot-tool was called: {calls}"
+    assert calls == ["status"], f"the boot configuration was touched: {calls}"
 
 
 def test_tarball_that_is_not_the_module_source_leaves_nothing(lab_host, tmp_path):
@@ -138,3 +128,28 @@ def test_tarball_that_is_not_the_module_source_leaves_nothing(lab_host, tmp_path
     assert "has neither kernel-open/Kbuild nor Kbuild at its top" in out
     assert "nvidia_driver_source_strip_components=2 is wrong" in out
     assert attach("test", "-e", "/usr/src/nvidia-535.999.98.partial").returncode != 0
+
+
+def test_kernel_bump_with_another_driver_registered_is_refused(lab_host):
+    """A new kernel's headers would make DKMS autoinstall the registered (old) driver for it; with a driver
+    bump in the same run L0 refuses before apt runs. A tiny DKMS module stands in for the old NVIDIA one."""
+    tree = "/usr/src/labguard-1.0"
+    conf = (
+        'PACKAGE_NAME="labguard"\\nPACKAGE_VERSION="1.0"\\nAUTOINSTALL="yes"\\n'
+        'BUILT_MODULE_NAME[0]="labguard"\\nDEST_MODULE_LOCATION[0]="/updates/dkms"\\n'
+    )
+    setup = attach("sh", "-ec", f"mkdir -p {tree}; printf '{conf}' > {tree}/dkms.conf; dkms add labguard/1.0")
+    assert setup.returncode == 0, setup.stderr
+    try:
+        out = run_refused(
+            "-e",
+            '{"host_kernel_version": "6.1.0-47-amd64",'
+            ' "host_kernel_packages": ["linux-headers-6.1.0-47-amd64"],'
+            ' "host_kernel_dkms_expected": {"labguard": "2.0"}}',
+            play=L0,
+        )
+    finally:
+        attach("sh", "-c", f"dkms remove labguard/1.0 --all; rm -rf {tree}")
+    assert "refusing to install kernel 6.1.0-47-amd64" in out, out[-2000:]
+    assert "dkms autoinstall for labguard/1.0, not the version(s) L1 builds (labguard/2.0)" in out
+    assert "Bump the driver first" in out

@@ -3,6 +3,7 @@ directory behind. Each run uses its own output and cache directories, so a real 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -59,14 +60,55 @@ def test_print_names_predictable_archive_and_volid(tmp_path: Path) -> None:
     assert info["path"] == str(tmp_path / "out" / info["name"])
 
 
+ANY_HASH = "--hash=sha256:" + "0" * 64
+# mdurl 0.1.2's one wheel on PyPI (and in the local mirror): a small real file to check hashes against.
+MDURL = "mdurl==0.1.2"
+MDURL_SHA256 = "84008a41e51615a49fc9966191ff91509e3c40b939176e643fd50a5c2196b8f8"
+
+
 def test_lock_that_does_not_resolve(tmp_path: Path) -> None:
     lock = tmp_path / "requirements.lock"
-    lock.write_text("safetensors==0.0.0.dev424242\n")
+    lock.write_text(f"safetensors==0.0.0.dev424242 {ANY_HASH}\n")
     proc = build(tmp_path, "cpu", IMAGE_LOCK=str(lock))
     assert proc.returncode != 0
     assert "wheels" in proc.stderr and "FAILED" in proc.stderr
     assert "the lock does not resolve for cpu" in proc.stderr
     assert "safetensors==0.0.0.dev424242" in proc.stderr
+    assert_nothing_left(tmp_path)
+
+
+def test_a_file_that_matches_no_hash_of_the_lock_is_refused(tmp_path: Path) -> None:
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(f"{MDURL} {ANY_HASH}\n")
+    proc = build(tmp_path, "cpu", IMAGE_LOCK=str(lock))
+    assert proc.returncode != 0
+    assert "wheels" in proc.stderr and "FAILED" in proc.stderr
+    assert "a downloaded file matches none of its hashes in requirements.lock" in proc.stderr, proc.stderr
+    assert f"{MDURL} (expected {'0' * 64}, got {MDURL_SHA256})" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "cache" / "wheels" / "cpu").glob("mdurl-*")), "the refused file was kept"
+    assert_nothing_left(tmp_path)
+
+
+def test_a_tampered_file_in_the_wheelhouse_is_replaced(tmp_path: Path) -> None:
+    """The warm wheelhouse is checked against the lock too: a file there that matches none of its hashes is
+    removed and fetched again. The build is stopped right after the wheels (an unreachable Debian mirror)."""
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(f"{MDURL} --hash=sha256:{MDURL_SHA256}\n")
+    wheelhouse = tmp_path / "cache" / "wheels" / "cuda"  # cuda: the cpu variant also insists on a CPU torch
+    wheelhouse.mkdir(parents=True)
+    (wheelhouse / "mdurl-0.1.2-py3-none-any.whl").write_bytes(b"not the wheel the lock names")
+    proc = build(
+        tmp_path,
+        "cuda",
+        IMAGE_LOCK=str(lock),
+        IMAGE_MIRROR="http://127.0.0.1:9/debian",
+        IMAGE_MIN_FREE_GB="1",
+    )
+    log = (tmp_path / "out" / "cuda.log").read_text()
+    assert "mdurl-0.1.2-py3-none-any.whl in the wheelhouse matched none of its hashes" in log, log[-3000:]
+    wheel = (wheelhouse / "mdurl-0.1.2-py3-none-any.whl").read_bytes()
+    assert hashlib.sha256(wheel).hexdigest() == MDURL_SHA256
+    assert proc.returncode != 0 and "rootfs" in proc.stderr, proc.stderr  # stopped where it was told to
     assert_nothing_left(tmp_path)
 
 

@@ -12,6 +12,7 @@ from testinfra.host import Host
 
 from lab import image
 from lab.settings import REPO
+from tests.image.lockfile import locks
 
 VENV_PYTHON = "/opt/dflash/venv/bin/python"
 # What the trainer imports at run time, by import name.
@@ -23,9 +24,7 @@ def variant_lock(built: image.BuiltImage) -> Path:
 
 
 def lock_pins(built: image.BuiltImage) -> dict[str, str]:
-    lines = variant_lock(built).read_text().splitlines()
-    pins = (line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
-    return {normal(name): version for name, version in pins}
+    return {normal(p.name): p.version for p in locks.read_lock(variant_lock(built)).pins}
 
 
 def normal(name: str) -> str:
@@ -79,8 +78,8 @@ def test_torch_is_the_variants_build(ct: Host, built: image.BuiltImage) -> None:
 
 
 def test_pip_freeze_is_the_lock(ct: Host, built: image.BuiltImage) -> None:
-    """Exactly the lock plus the trainer (pip freeze leaves out pip and setuptools; the manifest has them)."""
-    freeze = ct.check_output(f"{VENV_PYTHON} -m pip freeze")
+    """Exactly the lock (setuptools included) plus the trainer; pip itself is the venv's own."""
+    freeze = ct.check_output(f"{VENV_PYTHON} -m pip freeze --all --exclude pip")
     lines = [line.split("==", 1) for line in freeze.splitlines()]
     assert all(len(pair) == 2 for pair in lines), f"not all pinned by version: {freeze}"
     installed = {normal(name): version.split("+")[0] for name, version in lines}

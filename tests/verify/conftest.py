@@ -43,7 +43,7 @@ def group_hosts(config: pytest.Config, group: str) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "host" in metafunc.fixturenames:
+    if "inventory_hostname" in metafunc.fixturenames:  # host, hostvars, proxmox and what uses them
         group = metafunc.module.GROUP
         metafunc.parametrize("inventory_hostname", group_hosts(metafunc.config, group), scope="module")
 
@@ -57,6 +57,16 @@ def hostvars(request: pytest.FixtureRequest, inventory_hostname: str) -> dict[st
 def host(request: pytest.FixtureRequest, inventory_hostname: str, hostvars: dict[str, Any]):
     all_hostvars = _inventory(request.config)["_meta"]["hostvars"]
     return host_for(inventory_hostname, hostvars, all_hostvars)
+
+
+@pytest.fixture(scope="module")
+def proxmox(request: pytest.FixtureRequest, hostvars: dict[str, Any]):
+    """The Proxmox host of a CT (its ct_proxmox_host): the host's side of the CT, such as its config file."""
+    name = hostvars.get("ct_proxmox_host")
+    if not name:
+        pytest.fail("ct_proxmox_host is not set for this CT in the inventory")
+    all_hostvars = _inventory(request.config)["_meta"]["hostvars"]
+    return host_for(name, all_hostvars.get(name, {}), all_hostvars)
 
 
 @pytest.fixture

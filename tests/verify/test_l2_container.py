@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
+import yaml
+
 GROUP = "training_cts"
+PVE_DEFAULTS = yaml.safe_load(
+    (Path(__file__).resolve().parents[2] / "roles/pve_container/defaults/main.yml").read_text()
+)
 
 
 def plain(hostvars: dict[str, Any], key: str) -> Any:
@@ -32,6 +38,25 @@ def test_dev_shm_is_a_tmpfs_of_the_inventory_size(host, hostvars: dict[str, Any]
     assert f"size={want_kib}k" in shm.options, (
         f"/dev/shm {sizes or 'has no size'}, inventory wants {want_kib}k"
     )
+
+
+def test_proxmox_config_carries_the_roles_shm_and_memlock_lines(hostvars: dict[str, Any], proxmox) -> None:
+    """The lines the L2 role writes into the CT's config on its Proxmox host (PVE mounts /dev/shm only for
+    non-init entry points, so the sized tmpfs is a raw lxc.mount.entry). In the lab the CT itself runs from
+    the lab's own config, so the mount checks above cannot see a wrong or missing role line: this reads it."""
+    conf_dir = plain(hostvars, "ct_pve_conf_dir") or PVE_DEFAULTS["ct_pve_conf_dir"]
+    path = f"{conf_dir}/{hostvars['ct_vmid']}.conf"
+    conf = proxmox.file(path)
+    assert conf.exists, f"{path} is missing on {hostvars.get('ct_proxmox_host')}"
+    lines = conf.content_string.splitlines()
+    size = f"size={hostvars['ct_shm_size_mb']}m"
+    want_shm = f"lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,{size},create=dir 0 0"
+    shm = [ln for ln in lines if ln.startswith("lxc.mount.entry: tmpfs dev/shm ")]
+    assert shm == [want_shm], f"{path}: /dev/shm lines {shm}, the inventory wants [{want_shm!r}]"
+    memlock = plain(hostvars, "ct_memlock")
+    if memlock is not None:
+        found = [ln for ln in lines if ln.startswith("lxc.prlimit.memlock: ")]
+        assert found == [f"lxc.prlimit.memlock: {memlock}"], f"{path}: memlock lines {found}, want {memlock}"
 
 
 def test_memory_limit_covers_shm_and_trainer(host, hostvars: dict[str, Any]) -> None:

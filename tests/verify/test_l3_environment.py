@@ -9,6 +9,8 @@ import hashlib
 import re
 from typing import Any
 
+import pytest
+
 from lab.image import LOCKS
 from tests.verify.conftest import REPO
 
@@ -78,12 +80,21 @@ def test_trainer_cli_answers(host, hostvars: dict[str, Any]) -> None:
     assert out.stdout.strip(), "dflash-train --version printed nothing"
 
 
-def test_triton_cache_dir(host, hostvars: dict[str, Any]) -> None:
-    cache = var(hostvars, "ct_triton_cache_dir", "/var/cache/dflash/triton")
+@pytest.mark.parametrize(
+    ("key", "env_name", "default"),
+    [
+        ("ct_triton_cache_dir", "TRITON_CACHE_DIR", "/var/cache/dflash/triton"),
+        ("ct_inductor_cache_dir", "TORCHINDUCTOR_CACHE_DIR", "/var/cache/dflash/inductor"),
+    ],
+)
+def test_compile_caches_persist(
+    host, hostvars: dict[str, Any], key: str, env_name: str, default: str
+) -> None:
+    cache = var(hostvars, key, default)
     assert host.file(cache).is_directory, f"{cache} is missing"
     env = host.file(var(hostvars, "ct_env_file", "/etc/dflash/environment"))
-    assert env.exists and f"TRITON_CACHE_DIR={cache}" in env.content_string, (
-        "TRITON_CACHE_DIR not in the environment file"
+    assert env.exists and f"{env_name}={cache}" in env.content_string, (
+        f"{env_name} not in the environment file"
     )
 
 

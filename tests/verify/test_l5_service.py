@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+
+import yaml
 
 GROUP = "training_cts"
 UNIT = "dflash-train.service"
+STAGE = "dflash-stage-model.service"
+DEFAULTS = yaml.safe_load(
+    (Path(__file__).resolve().parents[2] / "roles/trainer_service/defaults/main.yml").read_text()
+)
 
 
 def props(host, *names: str) -> dict[str, str]:
@@ -66,9 +72,20 @@ def test_preflight_before_start_and_secrets_file(host):
     assert "EnvironmentFile=/etc/dflash/secrets.env" in text
 
 
-def test_requires_the_model_staging(host):
-    text = host.check_output(f"systemctl cat {UNIT}")
-    if "Requires=" not in text:  # the inventory (or tests/service/lab_vars.yml) turned the dependency off
-        pytest.skip("installed with trainer_service_requires_stage_model: false (tests/service/lab_vars.yml)")
+def test_requires_the_model_staging(host, hostvars):
+    """The inventory decides (the role's default: required), and the unit must say exactly that: a unit
+    installed without the dependency where the inventory wants it fails here, it is never skipped."""
+    want = hostvars.get(
+        "trainer_service_requires_stage_model", DEFAULTS["trainer_service_requires_stage_model"]
+    )
     p = props(host, "Requires", "After")
-    assert "dflash-stage-model.service" in p["Requires"] and "dflash-stage-model.service" in p["After"]
+    requires, after = p["Requires"].split(), p["After"].split()
+    if want:
+        assert STAGE in requires and STAGE in after, (
+            f"{UNIT} lacks Requires=/After={STAGE} (Requires={p['Requires']!r}); "
+            "the inventory wants it (trainer_service_requires_stage_model)"
+        )
+    else:
+        assert STAGE not in requires, (
+            f"{UNIT} requires {STAGE} but the inventory sets trainer_service_requires_stage_model: false"
+        )

@@ -1,4 +1,4 @@
-"""Shows the drafter learning: held-out simulated acceptance length before and after a short CPU run.
+"""Shows the drafter learning: held-out acceptance length (decode walk) before and after a short CPU run.
 
 From a tiny random target and shards it regenerated itself, a 2-layer drafter is trained for a few hundred
 steps (a minute or two on a laptop CPU). It prints figures; it asserts nothing about time.
@@ -42,6 +42,8 @@ checkpoint_dir = "checkpoints"
 ema_decay = 0.98
 ema_every = 1
 eval_every = 0
+eval_walk_prompts = 8
+eval_walk_new_tokens = 48
 device = "cpu"
 dtype = "float32"
 """
@@ -49,7 +51,10 @@ dtype = "float32"
 
 def show(label: str, figures: dict[str, float]) -> None:
     accs = " ".join(f"{figures[f'acc_{k}']:.2f}" for k in range(1, 8))
-    print(f"{label:>22}: acceptance length {figures['acceptance_length']:.2f}  loss {figures['loss']:.3f}")
+    print(
+        f"{label:>22}: walk tau {figures['walk_tau']:.2f} (per-anchor {figures['anchor_accept']:.2f})  "
+        f"loss {figures['loss']:.3f}"
+    )
     print(f"{'':>22}  per-position accuracy (slots 1..7) {accs}")
 
 
@@ -86,7 +91,7 @@ def main() -> None:
         if m.step % 50 == 0:
             print(
                 f"step {m.step:4d}  loss {m.loss:.3f}  lr {m.lr:.1e}  "
-                f"train acceptance {m.acceptance_length:.2f}"
+                f"train anchor_accept {m.anchor_accept:.2f}"
             )
 
     run.train(hooks=[report])

@@ -46,3 +46,63 @@ def test_no_second_copy_on_the_gpu():
     assert torch.cuda.memory_allocated() == before
     assert all(t.device.type == "cpu" for t in ema.weights().values())
     assert all(t.is_pinned() for t in ema._staging.values())
+
+
+def test_a_frozen_ema_is_written_as_of_its_step_and_folds_wait_for_the_writer(tmp_path):
+    """The background save writes the live EMA (no host copy): a fold due while ema.pt is written waits, so
+    the file holds the average of the saved step; after the write the fold goes on."""
+    import threading
+
+    from dflash_trainer.checkpoint import AsyncCheckpointer, load_checkpoint
+
+    module = torch.nn.Linear(4, 4)
+    ema = CpuEma(module, decay=0.5, every=1)
+    ema.update(module, 1)
+    saved = {k: v.clone() for k, v in ema.weights().items()}
+    ckpt = AsyncCheckpointer(tmp_path, keep_last=2)
+    gate = threading.Event()
+    writes = []
+
+    import dflash_trainer.checkpoint as cp
+
+    real_save = cp._save
+
+    def slow_save(obj, path):
+        if path.name == "ema.pt":
+            gate.wait(10)  # the writer is inside ema.pt while the training thread goes on
+        writes.append(path.name)
+        real_save(obj, path)
+
+    cp._save = slow_save
+    try:
+        ckpt.save(1, {"w": torch.zeros(2)}, ema.freeze, release=ema.thaw)
+        with torch.no_grad():
+            module.weight.add_(100.0)
+        ema.update(module, 2)  # the fold is queued, blocked by the writer's hold
+        gate.set()
+        path = ckpt.wait()
+        ema.wait()
+    finally:
+        cp._save = real_save
+    assert writes == ["ema.pt", "state.pt"]
+    _, on_disk = load_checkpoint(path)
+    assert on_disk["num_updates"] == 1
+    for name, tensor in saved.items():
+        torch.testing.assert_close(on_disk["shadow"][name], tensor)
+    assert ema.num_updates == 2  # the fold happened after the write
+    assert not torch.equal(ema.weights()["weight"], saved["weight"])
+
+
+def test_a_write_that_fails_before_the_ema_still_releases_it(tmp_path):
+    from dflash_trainer.checkpoint import AsyncCheckpointer
+
+    module = torch.nn.Linear(2, 2)
+    ema = CpuEma(module, decay=0.5, every=1)
+    (tmp_path / "ckpt").write_text("a file where the checkpoint directory should be")
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt", keep_last=1)
+    ckpt.save(1, {"w": torch.zeros(1)}, ema.freeze, release=ema.thaw)
+    with pytest.raises(Exception, match="checkpoint step-00000001"):
+        ckpt.wait()
+    ema.update(module, 2)
+    ema.wait()  # would hang for ever with the hold never released
+    assert ema.num_updates == 1

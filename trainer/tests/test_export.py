@@ -62,3 +62,25 @@ def test_dflash_generate_equals_target_greedy(tiny_target, tmp_path) -> None:
         for _ in range(12):
             ids = torch.cat([ids, target(ids).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, ids)
+
+
+def test_export_untrained_is_step_zero_of_the_run(tiny_target, tmp_path, capsys) -> None:
+    """`export --untrained CONFIG OUT --dtype float32`: the drafter the run starts from, for baselines."""
+    from safetensors.torch import load_file
+    from tiny_run import tiny_run_config
+
+    from dflash_trainer.cli import main
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.synth import write_shard
+    from dflash_trainer.train.run import Run
+
+    (tmp_path / "shards").mkdir()
+    write_shard(tmp_path / "shards" / "a.arrow", [(list(range(1, 25)), [0] * 6 + [1] * 18)] * 4)
+    path = tiny_run_config(tmp_path / "train.toml", tiny_target("qwen3"), tmp_path / "shards")
+    code = main(["export", "--untrained", str(path), str(tmp_path / "out"), "--dtype", "float32"])
+    assert code == 0 and "untrained drafter" in capsys.readouterr().out
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    start = Run(load_config(path)).drafter.drafter.state_dict()
+    assert set(exported) == set(start)
+    assert all(torch.equal(exported[k], start[k]) for k in start)  # float32: bit for bit
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"

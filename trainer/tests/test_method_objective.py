@@ -23,7 +23,7 @@ def test_objective_trains_only_the_drafter(small_spec) -> None:
     out = dflash_loss(drafter, _batch(0), embed, head, cfg, torch.Generator().manual_seed(0))
     assert torch.isfinite(out.loss) and out.num_tokens > 0
     assert out.per_position_acc.shape == (3,)
-    assert 1.0 <= out.acceptance_length <= 4.0
+    assert 1.0 <= out.anchor_accept <= 4.0
     out.loss.backward()
     assert all(p.grad is not None for p in drafter.parameters())
     assert embed.weight.grad is None and head.weight.grad is None

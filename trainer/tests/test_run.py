@@ -117,11 +117,21 @@ def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
 
 
 def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
-    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards))
+    run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=2))
     figures = run.evaluate()
-    assert figures == run.evaluate()  # fixed anchors: the same blocks each time
-    assert 1.0 <= figures["acceptance_length"] <= 4.0
-    assert set(figures) == {"loss", "acceptance_length", "acc_1", "acc_2", "acc_3"}
+    timed = {"walk_tok_s", "walk_s"}
+    again = run.evaluate()
+    # fixed anchors and prompts: the same blocks and the same walk each time
+    assert {k: v for k, v in figures.items() if k not in timed} == {
+        k: v for k, v in again.items() if k not in timed
+    }
+    assert 1.0 <= figures["anchor_accept"] <= 4.0 and 1.0 <= figures["walk_tau"] <= 4.0
+    assert figures["walk_steps"] >= 2 * 8 / 4 and figures["walk_s"] > 0
+    walk = {"walk_tau", "walk_tau_pooled", "walk_steps"} | timed
+    assert set(figures) == {"loss", "anchor_accept", "acc_1", "acc_2", "acc_3"} | walk
+
+
+WALK = ["walk_s", "walk_steps", "walk_tau", "walk_tau_pooled", "walk_tok_s"]
 
 
 def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_target, shards, monkeypatch):
@@ -139,7 +149,7 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
         make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=4, eval_every=2), hooks=[steps.append]
     )
     assert [(m.step, sorted(m.eval)) for m in steps if m.eval] == [
-        (s, ["acc_1", "acc_2", "acc_3", "acceptance_length", "loss", "walk"]) for s in (2, 4)
+        (s, ["acc_1", "acc_2", "acc_3", "anchor_accept", "loss", "walk", *WALK]) for s in (2, 4)
     ]
     assert seen == [(2, True, 2, False), (4, True, 2, False)]
 
@@ -241,3 +251,26 @@ def test_disk_full_is_one_line_naming_the_cause_and_path(tmp_path, monkeypatch):
     with pytest.raises(ck.CheckpointError, match=r"^checkpoint step-00000050 in .*: OSError: \[Errno 28\]"):
         ck.save_checkpoint(tmp_path / "x", 50, {"a": torch.ones(3)}, {}, keep_last=2)
     assert list((tmp_path / "x").iterdir()) == []
+
+
+def test_a_failing_evaluation_is_logged_and_training_goes_on(
+    tmp_path, tiny_target, shards, caplog, monkeypatch
+):
+    """An evaluation bug (a walk crashing on a new target kind, say) ends neither the step nor the run: one
+    ERROR line names the evaluation and its cause, and the figures carry `<name>_failed`, which fails the
+    smoke report."""
+    import dflash_trainer.train.run as run_module
+
+    def walk_figures(ctx):
+        raise RuntimeError("the walk's cache rollback broke")
+
+    monkeypatch.setattr(run_module, "EVAL_HOOKS", [run_module.held_out_figures, walk_figures])
+    cfg = load_config(tiny_run_config(tmp_path / "run.toml", tiny_target("qwen3_5"), shards))
+    run = Run(cfg)
+    with caplog.at_level("ERROR"):
+        figures = run.evaluate()
+    assert figures["walk_figures_failed"] == 1.0 and "loss" in figures
+    assert (
+        "evaluation walk_figures at step 0 failed: RuntimeError: the walk's cache rollback broke"
+        in caplog.text
+    )

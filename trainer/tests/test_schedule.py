@@ -87,3 +87,14 @@ def test_plan_candidates_pick_the_balanced_split() -> None:
     assert (best.targets, best.drafters, best.tokens_per_s, best.efficiency) == (2, 3, 6000.0, 1.0)
     assert efficiency(4, 1, 3000.0, 2000.0) == pytest.approx(2000 / 12000)
     assert [c.targets + c.drafters for c in candidates(8, 1.0, 1.0)] == [8] * 7
+
+
+def test_plan_from_measured_h200_figures_picks_four_four(capsys) -> None:
+    """One H200 target: 8.8K tokens/s, one drafter: 10.3K (2026-12-01): 4:4 beats the seeds' 5:3."""
+    from dflash_trainer.cli import main
+
+    assert main(["plan", "8", "--figures", "8800", "10300"]) == 0
+    out = capsys.readouterr().out
+    assert "set [topology] targets = 4, drafters = 4" in out
+    best, _second = (line for line in out.splitlines() if line.strip().startswith(("4:4", "5:3")))
+    assert "<- best" in best and best.strip().startswith("4:4")

@@ -82,7 +82,11 @@ def test_checkpoints_carry_across_topologies(tiny_target, tmp_path: Path) -> Non
     assert train(load_config(b), max_steps=4).step == 4
     one_one = pipeline(b, 1, 1, "--max-steps", "8")
     leader = next(r for r in one_one["ranks"] if r["role"] == "drafter")["extra"]
-    assert leader["steps"] == 8 and set(leader["eval"]) >= {"loss", "acceptance_length"}  # from target 0
+    assert leader["steps"] == 8 and set(leader["eval"]) >= {
+        "loss",
+        "anchor_accept",
+        "walk_tau",
+    }  # from target 0
     assert [p.name for p in list_checkpoints(tmp_path / "b")][-2:] == ["step-00000004", "step-00000008"]
     pipeline(b, 2, 1)
     assert_same(straight.checkpoint, latest_checkpoint(tmp_path / "b"))

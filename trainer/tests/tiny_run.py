@@ -32,7 +32,7 @@ def tiny_run_config(path: Path, target: Path, shards: Path, **overrides: dict[st
         "drafter": {"num_layers": 2, "block_size": 4, "gamma": 4.0, "mask_token_id": TINY_MASK_TOKEN_ID},
         "data": {"shards": shards, "seq_len": 24, "max_anchors": 4, "held_out": 2},
         "optim": {"batch": 2},
-        "train": {"eval_every": 0, "device": "cpu"},
+        "train": {"eval_every": 0, "device": "cpu", "eval_walk_new_tokens": 8},
     }
     for name, table in overrides.items():
         sections.setdefault(name, {}).update(table)

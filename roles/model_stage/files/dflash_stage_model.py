@@ -11,6 +11,11 @@ files plus the manifest. Run by dflash-stage-model.service after every boot, sin
   message), copies into DEST.staging-PID next to DEST while hashing every byte, compares with the manifest,
   and only then replaces DEST by a rename: a reader never sees a half-staged model.
 - --check only says whether DEST is valid (exit 0) or not (exit 1); it changes nothing.
+- --config FILE reads the same settings from a JSON object ({"source", "dest", "manifest", "verify",
+  "workers"}; flags given as well win): the file roles/model_stage writes beside the unit, so the trainer
+  unit's ExecStartPre (a /dev/shm emptied without a reboot is restaged before the trainer loads) and L4's
+  content check run exactly the staging of the unit.
+- While it copies or hashes, a line every 10 s says how far it is.
 
 Standard library only (it runs before any venv matters). Exit status: 0 done, 1 error (one line), 2 usage.
 """
@@ -25,12 +30,45 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
 PROG = "dflash-stage-model"
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 CHUNK = 16 << 20
+PROGRESS_S = float(os.environ.get("DFLASH_STAGE_PROGRESS_S", "10"))  # a progress line at least this often
+CONFIG_KEYS = {"source": str, "dest": str, "manifest": str, "verify": str, "workers": int}
+
+
+class Progress:
+    """Bytes done so far (added from worker threads), printed every PROGRESS_S seconds while work runs."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.done = what, total, 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+
+    def _beat(self) -> None:
+        while not self.stop.wait(PROGRESS_S):
+            say(
+                f"{self.what}: {human(self.done)} of {human(self.total)} "
+                f"({time.monotonic() - self.started:.0f} s)"
+            )
+
+    def __enter__(self) -> Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 class StageError(Exception):
@@ -86,17 +124,19 @@ def parse_manifest(path: Path) -> list[dict]:
     return sorted(entries, key=lambda e: e["path"])
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: Progress | None = None) -> str:
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
+            if progress is not None:
+                progress.add(n)
     return h.hexdigest()
 
 
-def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
+def copy_hashing(src: Path, dst: Path, progress: Progress | None = None) -> tuple[int, str]:
     """Copies src to dst; returns (bytes, sha256 of the bytes read), so the copy is checked with one read."""
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
@@ -108,6 +148,8 @@ def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
             h.update(view[:n])
             fout.write(view[:n])
             size += n
+            if progress is not None:
+                progress.add(n)
     os.chmod(dst, 0o644)
     return size, h.hexdigest()
 
@@ -146,8 +188,12 @@ class Stager:
             if len(out) >= limit:
                 return out
         if full and not out:
-            with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
-                digests = pool.map(lambda e: sha256_file(directory / e["path"]), entries)
+            total = sum(e["size"] for e in entries)
+            with (
+                Progress(f"hashing {directory}", total) as progress,
+                concurrent.futures.ThreadPoolExecutor(self.workers) as pool,
+            ):
+                digests = pool.map(lambda e: sha256_file(directory / e["path"], progress), entries)
                 for e, d in zip(entries, digests, strict=True):
                     if d != e["sha256"]:
                         out.append(f"{directory / e['path']}: sha256 differs from the manifest")
@@ -225,8 +271,13 @@ class Stager:
         return 0
 
     def copy_all(self, entries: list[dict], tmp: Path, manifest_path: Path) -> None:
+        total = sum(e["size"] for e in entries)
+        with Progress(f"copying {self.source} to {self.dest}", total) as progress:
+            self._copy_all(entries, tmp, manifest_path, progress)
+
+    def _copy_all(self, entries: list[dict], tmp: Path, manifest_path: Path, progress: Progress) -> None:
         def one(e: dict) -> tuple[dict, int, str]:
-            return (e, *copy_hashing(self.source / e["path"], tmp / e["path"]))
+            return (e, *copy_hashing(self.source / e["path"], tmp / e["path"], progress))
 
         with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
             for e, size, digest in pool.map(one, sorted(entries, key=lambda e: -e["size"])):
@@ -243,21 +294,53 @@ class Stager:
                     say(f"copied {e['path']} ({human(size)})")
 
 
+def apply_config(args: argparse.Namespace) -> None:
+    """Fills unset flags from --config, then the defaults; StageError naming the file and key otherwise."""
+    settings: dict = {}
+    if args.config:
+        path = Path(args.config)
+        try:
+            settings = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise StageError(f"{path}: no such file (written by roles/model_stage, layer L4)") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise StageError(f"{path}: not a JSON settings file ({e})") from None
+        if not isinstance(settings, dict):
+            raise StageError(f"{path}: not a JSON object")
+        for key, value in settings.items():
+            kind = CONFIG_KEYS.get(key)
+            if kind is None:
+                raise StageError(f"{path}: unknown key {key!r} (known: {', '.join(CONFIG_KEYS)})")
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise StageError(f"{path}: {key} must be a {kind.__name__}, got {value!r}")
+    defaults = {"manifest": "MANIFEST.json", "verify": "size", "workers": 4}
+    for key in CONFIG_KEYS:
+        if getattr(args, key) is None:
+            setattr(args, key, settings.get(key, defaults.get(key)))
+    for key in ("source", "dest"):
+        if getattr(args, key) is None:
+            raise StageError(f"--{key} is needed (or --config with {key!r})")
+    if args.verify not in ("size", "full"):
+        raise StageError(f"verify {args.verify!r}: choose size or full")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", required=True, help="model directory on persistent storage")
-    parser.add_argument("--dest", required=True, help="staged copy, e.g. /dev/shm/dflash/model")
-    parser.add_argument("--manifest", default="MANIFEST.json", help="manifest name in SOURCE")
+    parser.add_argument("--config", help="JSON file with the settings below (flags given as well win)")
+    parser.add_argument("--source", help="model directory on persistent storage")
+    parser.add_argument("--dest", help="staged copy, e.g. /dev/shm/dflash/model")
+    parser.add_argument("--manifest", default=None, help="manifest name in SOURCE (default MANIFEST.json)")
     parser.add_argument(
-        "--verify", choices=["size", "full"], default="size", help="check of an existing copy"
+        "--verify", choices=["size", "full"], default=None, help="check of an existing copy (default size)"
     )
     parser.add_argument(
         "--full", dest="verify", action="store_const", const="full", help="same as --verify full"
     )
     parser.add_argument("--check", action="store_true", help="only say whether DEST is valid; change nothing")
-    parser.add_argument("--workers", type=int, default=4, help="files copied and hashed at once")
+    parser.add_argument("--workers", type=int, default=None, help="files copied and hashed at once (4)")
     args = parser.parse_args(argv)
     try:
+        apply_config(args)
         if not os.path.isabs(args.dest) or len(Path(args.dest).parts) < 3:
             raise StageError(f"dest {args.dest!r}: must be an absolute path at least two levels deep")
         if not os.path.isabs(args.source):

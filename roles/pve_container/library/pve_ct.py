@@ -8,6 +8,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.pve_devices import plan_devices
 
 try:
     import requests
@@ -49,11 +50,34 @@ options:
 author: dflash project
 """
 
-DEV_KEY = re.compile(r"^dev(\d+)$")
-
 
 def one_line(text: object) -> str:
     return " ".join(str(text).split())
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost reason of a requests/urllib3 error, whole: "[Errno 111] Connection refused", not the
+    wrapper's "HTTPSConnectionPool(...): Max retries exceeded with url: ... (Caused by ...)" cut to fit."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        todo += [
+            x
+            for x in (*e.args, e.__cause__, e.__context__, getattr(e, "reason", None))
+            if isinstance(x, BaseException)
+        ]
+    text = " ".join(one_line(e) for e in seen)
+    errno = re.search(r"\[Errno -?\d+\] [^'\")\]]+", text)
+    if errno:
+        return errno.group(0).strip()
+    ssl_reason = re.search(r"\[SSL: [A-Z_]+\] [^'\")(]+", text)
+    if ssl_reason:
+        return ssl_reason.group(0).strip()
+    return one_line(seen[-1])
 
 
 class Api:
@@ -83,13 +107,16 @@ class Api:
             detail = f"{one_line(exc.status_message)} {one_line(exc.content)} {exc.errors or ''}"
             cause = f"HTTP {exc.status_code}: {detail}"
         elif isinstance(exc, requests.exceptions.SSLError):
-            cause = "TLS certificate not trusted (set pve_api_validate_certs or pve_api_ca_file)"
+            cause = (
+                f"TLS certificate not trusted ({root_cause(exc)}): set pve_api_ca_file to the cluster's CA"
+                " (/etc/pve/pve-root-ca.pem on the host)"
+            )
         elif isinstance(exc, requests.exceptions.Timeout):
             cause = f"no answer within {self.module.params['timeout']} s (API hung or host overloaded)"
         elif isinstance(exc, requests.exceptions.ConnectionError):
-            text = str(exc)
-            cause = "connection refused (pveproxy down?)" if "refused" in text.lower() else "unreachable"
-            cause += f": {one_line(text)[-160:]}"
+            reason = root_cause(exc)
+            hint = "is pveproxy running?" if "refused" in reason.lower() else "is the address right?"
+            cause = f"cannot connect: {reason} ({hint})"
         else:
             cause = one_line(exc)
         self.module.fail_json(msg=f"{self.where}: {what}: {cause.strip()}")
@@ -130,36 +157,6 @@ def probe(module: AnsibleModule, api: Api) -> dict:
         result["pending"] = {i["key"]: i.get("pending") for i in pending if "pending" in i or i.get("delete")}
     result["version"] = api.call(lambda: api.api.version.get(), "read version").get("version")
     return result
-
-
-def plan_devices(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
-    """(devN -> value to set, devN to delete): every wanted path exactly once, existing indexes kept."""
-
-    def value(dev: dict) -> str:
-        opts = [f"{k}={dev[k]}" for k in ("gid", "mode", "uid") if dev.get(k) not in (None, "")]
-        return ",".join([dev["path"], *opts])
-
-    by_path: dict[str, str] = {}
-    deletes: list[str] = []
-    for key in sorted((k for k in current if DEV_KEY.match(k)), key=lambda k: int(k[3:])):
-        path = str(current[key]).split(",")[0].removeprefix("path=")
-        if path in by_path or path not in {d["path"] for d in wanted}:
-            deletes.append(key)  # a duplicate or a device no longer wanted
-        else:
-            by_path[path] = key
-    sets: dict[str, str] = {}
-    used = {int(k[3:]) for k in by_path.values()}
-    for dev in wanted:
-        key = by_path.get(dev["path"])
-        if key is None:
-            index = next(i for i in range(256) if i not in used)
-            used.add(index)
-            key = f"dev{index}"
-            if key in deletes:
-                deletes.remove(key)
-        if str(current.get(key)) != value(dev):
-            sets[key] = value(dev)
-    return sets, deletes
 
 
 def devices(module: AnsibleModule, api: Api) -> dict:

@@ -117,12 +117,19 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 
 def save_checkpoint(
-    directory: Path, step: int, state: dict[str, Any], ema: dict[str, Any], *, keep_last: int
+    directory: Path,
+    step: int,
+    state: dict[str, Any],
+    ema: dict[str, Any],
+    *,
+    keep_last: int,
+    ema_written: Callable[[], None] | None = None,
 ) -> Path:
     """Writes step `step` and returns its directory; removes all but the last `keep_last` checkpoints.
 
     Raises CheckpointError naming the checkpoint, the directory and the real cause; what it had written is
-    removed, and the previous checkpoints stay as they were."""
+    removed, and the previous checkpoints stay as they were. `ema_written` is called once ema.pt is written
+    (or failed), before state.pt."""
     directory = Path(directory)
     final = directory / step_name(step)
     tmp = directory / f".tmp-{step_name(step)}-{os.getpid()}"
@@ -130,8 +137,12 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        try:  # the EMA first: a frozen (live) EMA is let go as soon as its file is written
+            _save(ema, tmp / "ema.pt")
+        finally:
+            if ema_written is not None:
+                ema_written()
         _save(state, tmp / "state.pt")
-        _save(ema, tmp / "ema.pt")
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
             shutil.rmtree(final)
@@ -152,10 +163,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: Path, *, ema: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(state, ema state or None), on the CPU."""
+    """(state, ema state or None), on the CPU.
+
+    Memory-mapped: tensors are read from the file as they are used (the optimizer moments as they are copied
+    to the device, none of them when `export` needs only the spec and the EMA), not read whole first.
+    """
     path = Path(path)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    ema_state = torch.load(path / "ema.pt", map_location="cpu", weights_only=True) if ema else None
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+    ema_state = torch.load(path / "ema.pt", map_location="cpu", weights_only=True, mmap=True) if ema else None
     return state, ema_state
 
 
@@ -202,12 +217,29 @@ class AsyncCheckpointer:
         self.last_path: Path | None = None  # the newest checkpoint written completely
         self.stalls: list[float] = []  # seconds training waited, per save
 
-    def save(self, step: int, state: dict[str, Any], ema: Callable[[], dict[str, Any]]) -> Path:
-        """Snapshots `state` and `ema()` (called here, in the training thread) and starts the write."""
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        ema: Callable[[], dict[str, Any]],
+        *,
+        release: Callable[[], None] | None = None,
+    ) -> Path:
+        """Snapshots `state` and `ema()` (called here, in the training thread) and starts the write.
+
+        With `release`, `ema()` hands out a live state that stays unchanged until `release()` (CpuEma's
+        freeze and thaw): it is written as it is, not copied, and released once ema.pt is on disk.
+        """
         start = time.perf_counter()
         self.wait()  # the previous write must be done: its buffers are about to be refilled
         host_state = self._state_buffers.copy(state, "state")
-        host_ema = self._ema_buffers.copy(ema(), "ema")
+        live = ema()
+        try:
+            host_ema = live if release is not None else self._ema_buffers.copy(live, "ema")
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         event = None
         if self._state_buffers.cuda or self._ema_buffers.cuda:
             event = torch.cuda.Event()
@@ -216,22 +248,36 @@ class AsyncCheckpointer:
         self.stalls.append(stall)
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, host_state, host_ema, event, stall),
+            args=(step, host_state, host_ema, event, stall, release),
             name="checkpoint",
             daemon=True,
         )
         self._thread.start()
         return self.directory / step_name(step)
 
-    def _write(self, step: int, state: dict, ema: dict, event: Any, stall: float) -> None:
+    def _write(
+        self, step: int, state: dict, ema: dict, event: Any, stall: float, release: Callable[[], None] | None
+    ) -> None:
         start = time.perf_counter()
+        released = False
+
+        def release_once() -> None:
+            nonlocal released
+            if release is not None and not released:
+                released = True
+                release()
+
         try:
             if event is not None:
                 event.synchronize()  # the non-blocking device-to-host copies have landed
-            path = save_checkpoint(self.directory, step, state, ema, keep_last=self.keep_last)
+            path = save_checkpoint(
+                self.directory, step, state, ema, keep_last=self.keep_last, ema_written=release_once
+            )
         except BaseException as e:  # handed to the training thread
             self._error = e
             return
+        finally:
+            release_once()  # a write that failed before ema.pt must not hold the EMA back for ever
         self.last_path = path
         log.info(
             "checkpoint %s: stall %.2f s, written in %.1f s (%s)",

@@ -52,9 +52,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)  # before torch and FLA load (seconds): a bad config fails at once
     from dflash_trainer.train.run import train
 
-    cfg = load_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     if cfg.service.save_on_stop:
@@ -73,16 +73,20 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
     if not (args.target / "config.json").is_file():
         raise UserError(f"{args.target}: no config.json (not a target directory)")
-    paths = synth_shards(
-        args.target,
-        args.out,
-        num_shards=args.shards,
-        rows=args.rows,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        prompt_len=args.prompt_len,
-        vocab_size=args.vocab_size,
-    )
+    try:
+        paths = synth_shards(
+            args.target,
+            args.out,
+            num_shards=args.shards,
+            rows=args.rows,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            prompt_len=args.prompt_len,
+            vocab_size=args.vocab_size,
+            mask_token_id=args.mask_token_id,
+        )
+    except ValueError as e:  # a bad --mask-token-id, --vocab-size or --prompt-len
+        raise UserError(str(e)) from None
     print(f"wrote {len(paths)} shards of {args.rows} rows to {args.out}")
     return 0
 
@@ -93,6 +97,19 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
     if args.kind not in TINY_KINDS:
         raise UserError(f"--kind {args.kind!r}: choose from {', '.join(TINY_KINDS)}")
     print(write_tiny_target(args.out, kind=args.kind, seed=args.seed))
+    return 0
+
+
+def cmd_model_random(args: argparse.Namespace) -> int:
+    from dflash_trainer.model.shapes import write_random_target
+
+    try:
+        out = write_random_target(
+            args.out, args.shape, layers=args.layers, device=args.device, seed=args.seed, progress=print
+        )
+    except (ValueError, FileExistsError) as e:
+        raise UserError(str(e)) from None
+    print(out)
     return 0
 
 
@@ -142,7 +159,7 @@ def _drafter_from_checkpoint(path: Path, source: str):
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflash_trainer.export import check_export, export_draft, load_draft
+    from dflash_trainer.export import DTYPES, check_export, export_draft, load_draft
 
     if args.check:
         if args.out is not None:
@@ -162,11 +179,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     if args.out is None:
         raise UserError("export needs CKPT and OUT (or --check OUT)")
-    ckpt = _checkpoint_dir(args.path)
-    drafter = _drafter_from_checkpoint(ckpt, args.source)
-    export_draft(drafter.state_dict(), drafter.spec, args.out)
+    if args.untrained:
+        from dflash_trainer.export import untrained_drafter
+
+        drafter, what = untrained_drafter(load_config(args.path)), f"the untrained drafter of {args.path}"
+    else:
+        ckpt = _checkpoint_dir(args.path)
+        drafter, what = _drafter_from_checkpoint(ckpt, args.source), f"{ckpt} ({args.source})"
+    export_draft(drafter.state_dict(), drafter.spec, args.out, dtype=DTYPES[args.dtype])
     print(
-        f"exported {ckpt} ({args.source}) to {args.out}; "
+        f"exported {what} to {args.out} as {args.dtype}; "
         f"max |difference| {check_export(args.out, drafter):.3g}"
     )
     return 0
@@ -175,7 +197,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 # ---- parser ----
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_plan: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash drafters.")
     parser.add_argument("--version", action="version", version=f"dflash-train {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -204,7 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--rows", type=int, default=64, help="rows per shard")
     synth.add_argument("--seq-len", type=int, default=128)
     synth.add_argument("--prompt-len", type=int, help="default: a quarter of --seq-len")
-    synth.add_argument("--vocab-size", type=int, help="draw prompt tokens below this id (keep a mask id out)")
+    synth.add_argument("--vocab-size", type=int, help="draw prompt tokens below this id")
+    synth.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="the drafter's mask token, never written (default: the vocabulary's last id, the tiny targets')",
+    )
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=cmd_data_synth)
 
@@ -214,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--kind", default="qwen3_5")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_model_tiny)
+    rand = model.add_parser(
+        "random", help="write a random target of a published shape, in its published layout (rehearsals)"
+    )
+    rand.add_argument("out", type=Path)
+    rand.add_argument("--shape", required=True, help="qwen3.6-27b, or qwen3.6-mini (same structure, tiny)")
+    rand.add_argument("--layers", type=int, help="keep the first N layers (default: all)")
+    rand.add_argument("--device", help="where weights are made (default: cuda when there is one, else cpu)")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(func=cmd_model_random)
 
     manifest = sub.add_parser("manifest", help="write or check DIR's manifest (path, size, sha256 per file)")
     manifest.add_argument("dir", type=Path)
@@ -226,10 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write the published draft-model format from a checkpoint")
     export.add_argument(
-        "path", type=Path, metavar="CKPT", help="a checkpoint, or a directory of them (newest)"
+        "path",
+        type=Path,
+        metavar="CKPT",
+        help="a checkpoint, or a directory of them (newest); with --untrained, a training config",
     )
     export.add_argument("out", type=Path, nargs="?", metavar="OUT")
     export.add_argument("--from", dest="source", choices=("ema", "weights"), default="ema")
+    export.add_argument(
+        "--untrained",
+        action="store_true",
+        help="export the drafter a run of config CKPT starts from (step 0): a baseline to serve",
+    )
+    export.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights' dtype"
+    )
     export.add_argument(
         "--check", action="store_true", help="check an exported directory: export --check OUT"
     )
@@ -238,11 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
-    from dflash_trainer.distributed.plan import add_plan_arguments, plan_main
-
     plan = sub.add_parser("plan", help="measure target and drafter throughput; print the split of GPUS")
-    add_plan_arguments(plan)
-    plan.set_defaults(func=plan_main)
+    if with_plan:  # its module imports torch (seconds): only for `plan` itself
+        from dflash_trainer.distributed.plan import add_plan_arguments, plan_main
+
+        add_plan_arguments(plan)
+        plan.set_defaults(func=plan_main)
 
     for name, (_, text) in PASSTHROUGH.items():
         sub.add_parser(name, help=text, add_help=False)  # listed here, dispatched by main()
@@ -264,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_trainer import service
 
         return getattr(service, PASSTHROUGH[argv[0]][0])(argv[1:])
-    parser = build_parser()
+    parser = build_parser(with_plan="plan" in argv[:1])
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -81,6 +81,10 @@ class LoopConfig:
     ema_decay: float = 0.999
     ema_every: int = 10
     eval_every: int = 500  # 0: never
+    # The decode walk at each evaluation (dflash_trainer.walk): real speculative decoding of held-out prompts.
+    eval_walk_prompts: int = 8  # up to this many held-out rows' prompts are walked; 0: no walk
+    eval_walk_new_tokens: int = 128  # tokens generated per prompt
+    eval_walk_prompt_len: int = 256  # a longer prompt keeps its last tokens
     log_every: int = 10
     gradient_checkpointing: bool = False
     compile: bool = False
@@ -313,6 +317,9 @@ def _validate_self(cfg: TrainConfig) -> None:
     _at_least("train.loss_chunk", t.loss_chunk, d.block_size)
     if t.eval_every and data.held_out == 0:
         raise ConfigError("data.held_out", "must be > 0 when train.eval_every is set (evaluation needs rows)")
+    _at_least("train.eval_walk_prompts", t.eval_walk_prompts, 0)
+    _at_least("train.eval_walk_new_tokens", t.eval_walk_new_tokens, 1)
+    _at_least("train.eval_walk_prompt_len", t.eval_walk_prompt_len, 1)
 
     for key in ("targets", "drafters"):
         value = getattr(cfg.topology, key)

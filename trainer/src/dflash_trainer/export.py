@@ -6,6 +6,7 @@ import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,8 +14,25 @@ from torch import nn
 
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 
+if TYPE_CHECKING:
+    from dflash_trainer.config import TrainConfig
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
+    """The drafter a run of `cfg` starts from (step 0): its spec and seed; reads only the target config.
+
+    A baseline: exported and served, it gives the acceptance length of a drafter that learnt nothing.
+    """
+    from dflash_trainer.model.target import read_text_config
+    from dflash_trainer.train.run import drafter_spec, seed_everything
+
+    spec = drafter_spec(cfg, read_text_config(cfg.model.target_path))
+    seed_everything(cfg.data.seed)  # as train.run.new_drafter
+    return DFlashDrafter(spec).to(torch.float32)
 
 
 def expected_weight_names(spec: DrafterSpec) -> set[str]:

@@ -148,6 +148,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    parser.add_argument(
+        "--figures",
+        nargs=2,
+        type=float,
+        metavar=("TARGET_TOK_S", "DRAFTER_TOK_S"),
+        help="split from figures measured before (one target's, one drafter's tokens/s) instead of measuring",
+    )
     return parser
 
 
@@ -157,6 +164,14 @@ def plan_main(args: argparse.Namespace) -> int:
 
     if args.gpus < 2:
         raise SystemExit("plan: need at least 2 devices (1 target + 1 drafter)")
+    if args.figures is not None:
+        t, d = args.figures
+        if t <= 0 or d <= 0:
+            raise SystemExit(f"plan: --figures must be two positive rates, got {t} and {d}")
+        print(plan_table(args.gpus, t, d))
+        best = candidates(args.gpus, t, d)[0]
+        print(f"set [topology] targets = {best.targets}, drafters = {best.drafters}")
+        return 0
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:

@@ -1,4 +1,9 @@
-"""Simulated acceptance length: what greedy speculative decoding would accept per block."""
+"""Per-anchor acceptance: what greedy speculative decoding would accept per training block.
+
+Per block this is dflash's rule; averaged over anchors sampled uniformly by position it is NOT the acceptance
+length serving reports (that is the decode walk's tau, dflash_trainer.walk): decoding advances by the
+accepted length, so long accepted stretches take few steps, and a per-position average overweights them.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ def accepted_run(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tor
     return match.cumprod(dim=-1).sum(dim=-1)
 
 
-def acceptance_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, valid: torch.Tensor) -> float:
+def anchor_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, valid: torch.Tensor) -> float:
     """Mean over valid blocks of (accepted run + 1): the +1 is the token the target verifies for free.
 
     Same rule as dflash_generate's greedy path: `(draft[1:] == posterior[:-1]).cumprod().sum()`.

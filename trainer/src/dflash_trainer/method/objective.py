@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dflash_trainer.method.acceptance import acceptance_length
+from dflash_trainer.method.acceptance import anchor_accept
 from dflash_trainer.method.anchors import sample_anchors
 from dflash_trainer.method.blocks import block_input_ids, block_labels
 from dflash_trainer.method.loss import chunked_block_loss, gamma_for_block_size, position_weights
@@ -35,7 +35,7 @@ class ObjectiveOutput:
     loss: torch.Tensor  # scalar, differentiable w.r.t. the drafter
     num_tokens: int  # supervised block positions in this batch
     per_position_acc: torch.Tensor  # Float[Bs-1]: greedy top-1 accuracy of slots 1..Bs-1
-    acceptance_length: float  # simulated, see method.acceptance
+    anchor_accept: float  # per-anchor (accepted run + 1), not serving's tau: see method.acceptance
 
 
 def dflash_loss(
@@ -72,5 +72,5 @@ def dflash_loss(
         loss=loss,
         num_tokens=stats.num_tokens,
         per_position_acc=per_position_acc.detach(),
-        acceptance_length=acceptance_length(preds, slot_labels, valid),
+        anchor_accept=anchor_accept(preds, slot_labels, valid),
     )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model.kernels import install_device_dispatch
+
+log = logging.getLogger("dflash_trainer.target")
 
 # model_type of the text config -> causal LM class. The Qwen3.5/3.6 conditional-generation checkpoints
 # (model_type "qwen3_5", weights under model.language_model.*) load their text config into
@@ -51,8 +56,16 @@ def _truncated(cfg: PreTrainedConfig, num_layers: int) -> PreTrainedConfig:
     return short
 
 
+class _StopForward(Exception):
+    """Ends a capture after the last captured layer when later layers are loaded (for the decode walk)."""
+
+
 class TargetModel:
-    """A frozen target truncated after its last needed layer; forward hooks collect the features."""
+    """A frozen target (usually truncated after its last needed layer); forward hooks collect the features.
+
+    The feature of layer i is what serving feeds the drafter: HF's hidden_states[i + 1], i.e. layer i's
+    output, except for the target's last layer, whose entry HF takes after the final norm.
+    """
 
     def __init__(self, model: PreTrainedModel, config: PreTrainedConfig, layer_ids: list[int]) -> None:
         self.model = model
@@ -63,14 +76,23 @@ class TargetModel:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.lm_head
         self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False  # hooks record only inside capture(), not in other forwards (the walk's)
         layers = model.model.layers
+        self._stop_after = max(self.layer_ids) if max(self.layer_ids) < len(layers) - 1 else None
         for i in self.layer_ids:
             layers[i].register_forward_hook(self._hook(i))
 
     def _hook(self, index: int):
+        final_norm = self.model.model.norm if index == self.num_layers - 1 else None
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            # A decoder layer's own output, i.e. HF's hidden_states[index + 1] (never the post-norm entry).
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
+            if not self._capturing:
+                return
+            out = output[0] if isinstance(output, tuple) else output
+            # HF's hidden_states[index + 1]: the layer's output, after the final norm for the last layer.
+            self._captured[index] = out if final_norm is None else final_norm(out)
+            if index == self._stop_after:
+                raise _StopForward
 
         return hook
 
@@ -89,13 +111,63 @@ class TargetModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         self._captured.clear()
+        self._capturing = True
         try:
-            self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
+            with contextlib.suppress(_StopForward):
+                self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
             context = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
+            self._capturing = False
             self._captured.clear()
         mask = attention_mask if loss_mask is None else loss_mask
         return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
+
+
+# Where the text model's weights sit in a checkpoint: the Qwen3.5/3.6 multimodal wrapper nests them.
+_PREFIXES = ("model.language_model.", "model.")
+
+
+class NeedsConversion(ValueError):
+    """The checkpoint's keys are not the model's own: only from_pretrained's converting loader places them."""
+
+
+def _fast_load(
+    cls: type[PreTrainedModel], path: Path, short: PreTrainedConfig, device: torch.device, dtype: torch.dtype
+) -> PreTrainedModel:
+    """The truncated model built on the meta device, its weights loaded by fast_load straight onto `device`.
+
+    from_pretrained reads the 54 GB target into host memory and `.to(device)` copies it again, tensor by
+    tensor (about 20 s of a restart on an H200); fast_load streams each shard file to the device in large
+    pinned chunks and the parameters become views of that memory (assign=True: no second copy).
+    """
+    from dflash_trainer.model.fast_load import load_files, safetensors_files
+
+    with torch.device("meta"):
+        model = cls._from_config(short, dtype=dtype, attn_implementation="sdpa")
+    wanted = set(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in load_files(safetensors_files(path), device).items():
+        if key == "lm_head.weight":
+            name = key
+        else:
+            prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+            if prefix is None:
+                continue  # the vision tower, MTP heads: not the text model
+            name = "model." + key[len(prefix) :]
+        if name in wanted:
+            state[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+    missing = sorted(wanted - set(state))
+    if missing:  # a layout transformers converts while loading (Qwen3-Next's per-expert MoE weights)
+        raise NeedsConversion(f"{len(missing)} weights need transformers' conversion, e.g. {missing[0]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    # Non-persistent buffers (rotary inverse frequencies) are not in the files: computed on the device.
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if "RotaryEmbedding" not in type(module).__name__:
+                raise NeedsConversion(f"{type(module).__name__} has buffers outside the checkpoint")
+            module.to_empty(device=device, recurse=False)
+            model._init_weights(module)
+    return model
 
 
 def load_target(
@@ -104,11 +176,14 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     layer_ids: list[int],
+    full: bool = False,
 ) -> TargetModel:
     """Load a Qwen3 / Qwen3.5 (plain or VL wrapper) / Qwen3-Next target from safetensors + config.json.
 
     Frozen and in eval mode; bf16 on CUDA and fp32 elsewhere unless `dtype` says otherwise. Layers after
-    max(layer_ids) are neither built nor loaded.
+    max(layer_ids) are neither built nor kept unless `full` (the decode walk needs the logits); capture runs
+    only up to max(layer_ids) either way. On CUDA the weights go through fast_load (see `_fast_load`);
+    from_pretrained stays the reference path (CPU, and whatever fast_load cannot place).
     """
     device = torch.device(device)
     cfg = read_text_config(path)
@@ -118,12 +193,31 @@ def load_target(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     install_device_dispatch()
     cls = CAUSAL_LM_CLASSES[cfg.model_type]
+    short = _truncated(cfg, cfg.num_hidden_layers if full else max(layer_ids) + 1)
+    start = time.perf_counter()
+    model = None
+    if device.type == "cuda":
+        try:
+            model = _fast_load(cls, Path(path), short, device, dtype)
+        except NeedsConversion as e:
+            log.info("target %s: loading through transformers (%s)", path, e)
+    if model is None:
+        model = _from_pretrained(cls, Path(path), short, dtype).to(device)
+    model.eval().requires_grad_(False)
+    log.info("target %s: %d of %d layers on %s in %.1f s", path, short.num_hidden_layers,
+             cfg.num_hidden_layers, device, time.perf_counter() - start)  # fmt: skip
+    return TargetModel(model, cfg, layer_ids)
+
+
+def _from_pretrained(
+    cls: type[PreTrainedModel], path: Path, short: PreTrainedConfig, dtype: torch.dtype
+) -> PreTrainedModel:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the skipped later layers and vision tower are reported as unexpected
     try:
         model, info = cls.from_pretrained(
             str(path),
-            config=_truncated(cfg, max(layer_ids) + 1),
+            config=short,
             dtype=dtype,
             local_files_only=True,
             attn_implementation="sdpa",
@@ -135,5 +229,4 @@ def load_target(
         # A target with randomly initialised weights would train a useless drafter without any error.
         raise ValueError(f"{path}: missing {info['missing_keys']}, mismatched {info['mismatched_keys']}")
     # Loaded on the host, then moved: device_map would need `accelerate`, which the trainer does not pin.
-    model.to(device).eval().requires_grad_(False)
-    return TargetModel(model, cfg, layer_ids)
+    return model

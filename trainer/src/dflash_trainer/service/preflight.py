@@ -1,8 +1,9 @@
-"""`dflash-train preflight CONFIG [--json]`: what a run needs, checked in seconds, before any model loads.
+"""`dflash-train preflight CONFIG [--json] [--full]`: what a run needs, checked before any model loads.
 
 One line per check; each failure is ONE line that names the fix. Exit 1 on any failure (2 on bad usage).
 The unit runs it as ExecStartPre, so a broken machine fails the start in seconds, with the reason in the
-journal, instead of after the target has spent a minute loading.
+journal, instead of after the target has spent a minute loading. The model and the shards are compared with
+their manifests by size; `--full` reads and hashes every file (sha256, several files at once) as well.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trainer.config import ConfigError, TrainConfig, load_config, read_target_info, validate
+from dflash_trainer.manifest import human_bytes
 
 GiB = 1 << 30
 PROVISION_L4 = "make provision TAGS=l4 (restages the model and re-syncs the shards)"
@@ -52,6 +54,7 @@ class Context:
     nproc: int | None  # None: [topology]'s targets + drafters (the unit's rank count), else 1
     cfg: TrainConfig | None = None
     facts: dict = field(default_factory=dict)
+    full: bool = False  # hash the model and the shards against their manifests, not only their sizes
 
     def need_cfg(self) -> TrainConfig:
         if self.cfg is None:
@@ -63,6 +66,13 @@ class Context:
 
 
 def check_config(ctx: Context) -> str:
+    if not ctx.config_path.is_file():
+        what = "is a directory" if ctx.config_path.is_dir() else "no such file"
+        raise Failed(
+            f"{ctx.config_path}: {what}",
+            "pass the path of the training TOML (the unit's is trainer_service_config_path, written by L5: "
+            "make provision TAGS=l5)",
+        )
     try:
         ctx.cfg = load_config(ctx.config_path, check_paths=False)
     except ConfigError as e:
@@ -79,24 +89,28 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _require_manifested_dir(path: Path, key: str, what: str) -> None:
-    """The directory exists and matches its manifest (sizes); else one failure naming the first problem."""
-    from dflash_trainer.manifest import MANIFEST_NAME, check_manifest
+def _require_manifested_dir(ctx: Context, path: Path, key: str, what: str):
+    """The directory exists and matches its manifest (sizes; sha256 too with --full); else one failure naming
+    the first problem. Returns the manifest.CheckResult, which says what was compared."""
+    from dflash_trainer.manifest import MANIFEST_NAME, verify_manifest
 
     if not path.is_dir():
         raise Failed(f"{key} {path}: no such directory", PROVISION_L4)
-    problems = check_manifest(path)
-    if problems:
+    result = verify_manifest(path, full=ctx.full)
+    if result.problems:
+        problems = result.problems
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         manifest = path / MANIFEST_NAME
         fix = PROVISION_L4 if manifest.exists() else f"write {manifest}: {PROVISION_L4}"
-        raise Failed(f"{what} {path}: {problems[0]}{more}", fix)
+        checked = "sha256 and sizes" if result.hashed else "sizes"
+        raise Failed(f"{what} {path}: {problems[0]}{more} ({checked} compared)", fix)
+    return result
 
 
 def check_model(ctx: Context) -> str:
     cfg = ctx.need_cfg()
     path = cfg.model.target_path
-    _require_manifested_dir(path, "model.target_path", "model")
+    checked = _require_manifested_dir(ctx, path, "model.target_path", "model")
     try:
         info = read_target_info(path)
         validate(cfg, target=info)
@@ -108,9 +122,10 @@ def check_model(ctx: Context) -> str:
     ctx.facts["hybrid"] = "linear_attention" in (text.get("layer_types") or [])
     ctx.facts["target"] = info
     return (
-        f"{path}: matches its manifest, {info.num_layers} layers, hidden {info.hidden_size}, "
-        f"{ctx.facts['model_bytes'] / GiB:.2f} GiB"
+        f"{path}: {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"{human_bytes(ctx.facts['model_bytes'])}"
         + (", hybrid (linear attention)" if ctx.facts["hybrid"] else "")
+        + f"; manifest matched: {checked.compared}"
     )
 
 
@@ -121,7 +136,7 @@ def check_shards(ctx: Context) -> str:
 
     cfg = ctx.need_cfg()
     path = cfg.data.shards
-    _require_manifested_dir(path, "data.shards", "shards")
+    checked = _require_manifested_dir(ctx, path, "data.shards", "shards")
     try:
         shards = list_shards(path)
     except DataError as e:
@@ -131,7 +146,7 @@ def check_shards(ctx: Context) -> str:
             pa.ipc.open_file(pa.memory_map(str(shard), "r"))
         except (pa.ArrowInvalid, OSError) as e:
             raise Failed(f"shard {shard}: not a complete Arrow IPC file ({e})", PROVISION_L4) from None
-    return f"{path}: {len(shards)} shards match their manifest and open"
+    return f"{path}: {len(shards)} shards open; manifest matched: {checked.compared}"
 
 
 def drafter_param_count(cfg: TrainConfig) -> int:
@@ -160,13 +175,33 @@ def check_disk(ctx: Context) -> str:
         )
     free = shutil.disk_usage(probe).free
     ctx.facts["checkpoint_bytes"] = per_ckpt
+    count = cfg.train.keep_last + 1
     if free < need:
+        mount = _mountpoint(probe)
+        held = _checkpoints_bytes(directory)
+        where = f"; the checkpoints already there hold {human_bytes(held)}" if held else ""
         raise Failed(
-            f"train.checkpoint_dir {directory}: {free / GiB:.1f} GiB free, "
-            f"{cfg.train.keep_last + 1} checkpoints of {per_ckpt / GiB:.2f} GiB need {need / GiB:.1f} GiB",
-            "free disk space, lower train.keep_last, or move train.checkpoint_dir",
+            f"train.checkpoint_dir {directory}: {human_bytes(free)} free on {mount}, "
+            f"{count} checkpoints of about {human_bytes(per_ckpt)} need {human_bytes(need)}{where}",
+            f"free {human_bytes(need - free)} or more on {mount} "
+            f"(`du -xsh {str(mount).rstrip('/')}/* | sort -h` finds what fills it), or lower "
+            "train.keep_last, or move train.checkpoint_dir to a larger file system",
         )
-    return f"{directory}: {free / GiB:.1f} GiB free for {cfg.train.keep_last + 1} x {per_ckpt / GiB:.2f} GiB"
+    return f"{directory}: {human_bytes(free)} free for {count} x {human_bytes(per_ckpt)}"
+
+
+def _mountpoint(path: Path) -> Path:
+    path = path.resolve()
+    while path.parent != path and path.parent.stat().st_dev == path.stat().st_dev:
+        path = path.parent
+    return path
+
+
+def _checkpoints_bytes(directory: Path) -> int:
+    try:
+        return _dir_bytes(directory) if directory.is_dir() else 0
+    except OSError:
+        return 0
 
 
 def check_shm(ctx: Context) -> str:
@@ -182,12 +217,12 @@ def check_shm(ctx: Context) -> str:
     need = model + ctx.nproc * (64 << 20)
     if usage.total < need:
         raise Failed(
-            f"/dev/shm is {usage.total / GiB:.2f} GiB, the model ({model / GiB:.2f} GiB) and "
-            f"{ctx.nproc} ranks need {need / GiB:.2f} GiB",
+            f"/dev/shm is {human_bytes(usage.total)}, the model ({human_bytes(model)}) and "
+            f"{ctx.nproc} ranks need {human_bytes(need)}",
             "raise ct_shm_size_mb (layer L2) and the CT memory limit with it",
         )
     where = "staged there" if staged else "not staged there"
-    return f"/dev/shm {usage.total / GiB:.2f} GiB, model {model / GiB:.2f} GiB ({where})"
+    return f"/dev/shm {human_bytes(usage.total)}, model {human_bytes(model)} ({where})"
 
 
 def check_memlock(ctx: Context) -> str:
@@ -227,7 +262,9 @@ def check_devices(ctx: Context) -> str:
             "the unit starts [topology]'s targets + drafters ranks: re-run make provision after changing it",
         )
     model = ctx.facts.get("model_bytes", 0)
-    drafter = drafter_param_count(cfg) * 16 if "target" in ctx.facts else 0
+    # A drafter rank holds fp32 weights, gradients and two AdamW moments (16 bytes a parameter) plus
+    # activations and the chunked head; 1.7x the states matches the reference's measured 45.7 GiB peak.
+    drafter = int(drafter_param_count(cfg) * 16 * 1.7) if "target" in ctx.facts else 0
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise Failed(
@@ -239,7 +276,8 @@ def check_devices(ctx: Context) -> str:
             raise Failed(
                 f"{ctx.nproc} ranks, {count} GPUs visible", "pass all GPUs to the CT (ct_gpus, layer L2)"
             )
-        need = max(model, drafter) + (2 * GiB)
+        # One rank runs target and drafter together; in a pipeline a rank holds one of them.
+        need = (model + drafter if ctx.nproc == 1 else max(model, drafter)) + (2 * GiB)
         short = []
         for i in range(ctx.nproc):
             free, total = torch.cuda.mem_get_info(i)
@@ -248,7 +286,8 @@ def check_devices(ctx: Context) -> str:
         if short:
             raise Failed(
                 f"{'; '.join(short)}; a rank needs about {need / GiB:.1f} GiB",
-                "stop what else holds the GPUs (nvidia-smi) or use more target ranks",
+                "stop what else holds the GPUs (nvidia-smi), or split target and drafter over more GPUs "
+                "([topology]), or shrink the drafter or data.max_anchors",
             )
         name = torch.cuda.get_device_name(0)
         return f"{count} x {name}; {ctx.nproc} ranks; about {need / GiB:.1f} GiB needed per rank"
@@ -293,61 +332,142 @@ def check_compiler(ctx: Context) -> str:
     return f"{cc}, {header}"
 
 
-_TRITON_PROBE = """
-import torch, triton, triton.language as tl
-@triton.jit
-def add(x, y, out, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out + i, tl.load(x + i, mask=i < n) + tl.load(y + i, mask=i < n), mask=i < n)
-x = torch.arange(1000, device="cuda", dtype=torch.float32); out = torch.empty_like(x)
-add[(4,)](x, x, out, 1000, BLOCK=256)
-assert torch.equal(out, 2 * x), "wrong result"
-"""
+# One probe module run as `python -m`: Triton reads its kernels' source from the file (gpu_probe.py).
+PROBE_MODULE = "dflash_trainer.service.gpu_probe"
+L3 = "make provision TAGS=l3"
 
-_FLA_PROBE = """
-import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-B, T, H, K = 1, 64, 2, 64
-q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-k = torch.nn.functional.normalize(k, dim=-1)
-g = -torch.rand(B, T, H, device="cuda", dtype=torch.float32)
-beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
-o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
-assert torch.isfinite(o.float()).all(), "non-finite output"
-"""
+# (what the probe's last line contains, the fix that matches that cause); the first match wins.
+_PROBE_FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("should be defined in a python file",),
+        "a bug in the probe itself (it must run from its module file): report it",
+    ),
+    (
+        ("failed to find c compiler", "no such file or directory: 'cc'", "no such file or directory: 'gcc'"),
+        f"install gcc (apt-get install gcc; layer L3: {L3})",
+    ),
+    (
+        ("python.h", "calledprocesserror", "returned non-zero exit status"),
+        f"Triton could not build its launcher: install gcc and python3-dev (layer L3: {L3})",
+    ),
+    (
+        (
+            "driver version is insufficient",
+            "no cuda-capable device",
+            "cuinit",
+            "cuda_error_no_device",
+            "nvidia driver on your system is too old",
+            "found no nvidia driver",
+        ),
+        "the NVIDIA driver: the host module (layer L1) and the CT's userspace (layer L3) must match "
+        "and be new enough for the lock's CUDA; nvidia-smi in the CT shows both",
+    ),
+    (
+        ("no module named", "importerror", "cannot import name"),
+        f"reinstall the trainer lock (flash-linear-attention, triton; layer L3: {L3})",
+    ),
+    (("out of memory",), "another process holds the GPU's memory: nvidia-smi names it; stop it"),
+    (
+        ("ptx", "sm_", "unsupported gpu architecture", "ptxas"),
+        "the pinned Triton does not support this GPU: upgrade triton and torch in the lock (make lock)",
+    ),
+    (("timed out",), "the kernel hung: check the GPU (nvidia-smi -q for Xid errors, layer L1)"),
+]
 
 
-def _probe(code: str, timeout: float) -> None:
+def probe_fix(last_line: str) -> str:
+    """The fix that matches a probe failure's cause (its exception's last line)."""
+    text = last_line.lower()
+    for needles, fix in _PROBE_FIXES:
+        if any(n in text for n in needles):
+            return fix
+    return "report it with the probe's traceback (run the probe's command by hand to see it)"
+
+
+def probe_command(probe: str, *, define_only: bool = False, shape: dict[str, int] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", PROBE_MODULE, probe]
+    for key, value in (shape or {}).items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd + (["--define-only"] if define_only else [])
+
+
+def _probe(cmd: list[str], timeout: float) -> str:
+    """Runs a probe; returns its `ok:` line, raises RuntimeError with the cause's one line."""
     import subprocess
 
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+    if proc.returncode == 0:
+        return next((ln[4:] for ln in reversed(lines) if ln.startswith("ok: ")), "ok")
+    cause = next((ln[7:] for ln in reversed(lines) if ln.startswith("error: ")), None)
+    if cause is None:  # died before its own handler (an import at module level, a signal)
+        cause = lines[-1] if lines else f"exit status {proc.returncode}"
+    raise RuntimeError(cause.strip())
+
+
+def hybrid_shape(target_path: Path) -> dict[str, int]:
+    """The Gated DeltaNet shape of a hybrid target, from its config.json (the text config of a wrapper)."""
+    raw = json.loads((target_path / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    try:
+        return {
+            "key_heads": int(text["linear_num_key_heads"]),
+            "value_heads": int(text["linear_num_value_heads"]),
+            "key_dim": int(text["linear_key_head_dim"]),
+            "value_dim": int(text["linear_value_head_dim"]),
+            "conv": int(text.get("linear_conv_kernel_dim", 4)),
+        }
+    except KeyError as e:
+        raise Failed(
+            f"model.target_path {target_path}/config.json: hybrid (linear_attention layers), no {e.args[0]}",
+            "stage a complete target (its published config.json)",
+        ) from None
+
+
+def check_fla(ctx: Context) -> str:
+    """A hybrid target needs flash-linear-attention on CUDA; said before any model loads."""
+    if not ctx.facts.get("hybrid"):
+        raise Skipped("the target has no linear-attention layers")
+    try:
+        import importlib.util
+
+        found = importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        if ctx.facts.get("device") != "cuda":
+            raise Skipped("flash-linear-attention missing; the CPU path uses transformers' torch kernels")
+        raise Failed(
+            "the target is hybrid (Gated DeltaNet layers) and flash-linear-attention is not installed: "
+            "transformers would fall back to its slow torch kernels",
+            f"reinstall the trainer lock (flash-linear-attention; layer L3: {L3})",
+        )
+    from importlib.metadata import version
+
+    return f"flash-linear-attention {version('flash-linear-attention')} for the Gated DeltaNet layers"
 
 
 def check_triton(ctx: Context) -> str:
     if ctx.facts.get("device") != "cuda":
         raise Skipped("no GPU: Triton kernels run on the GPU machine")
     try:
-        _probe(_TRITON_PROBE, 120)
-    except Exception as e:
-        raise Failed(
-            f"a small Triton kernel did not compile and run: {e}",
-            "install gcc and python3-dev (L3); check the driver (L1)",
-        ) from None
+        done = [_probe(probe_command("triton"), 120)]
+    except RuntimeError as e:
+        raise Failed(f"a small Triton kernel did not compile and run: {e}", probe_fix(str(e))) from None
     if not ctx.facts.get("hybrid"):
-        return "a Triton kernel compiled and ran"
+        return done[0]
+    cfg = ctx.need_cfg()
+    shape = hybrid_shape(cfg.model.target_path)
     try:
-        _probe(_FLA_PROBE, 240)
-    except Exception as e:
+        done.append(_probe(probe_command("fla", shape=shape), 300))
+    except RuntimeError as e:
         raise Failed(
-            f"the FLA gated-delta-rule kernel failed: {e}",
-            "reinstall the trainer lock (flash-linear-attention, triton; L3)",
+            f"the FLA kernels on the target's Gated DeltaNet shape failed: {e}", probe_fix(str(e))
         ) from None
-    return "a Triton kernel and the FLA gated-delta-rule kernel compiled and ran"
+    return "; ".join(done)
 
 
 def check_trackers(ctx: Context) -> str:
@@ -378,6 +498,11 @@ def check_trackers(ctx: Context) -> str:
         with tempfile.TemporaryDirectory(prefix=f"preflight-{name}-") as scratch:
             try:
                 trackers.try_offline(cfg, name, Path(scratch))
+            except trackers.TrackerError as e:
+                raise Failed(
+                    f"tracker {name}: {e}",
+                    f"make that directory creatable, or change it in {ctx.config_path} [trackers]",
+                ) from None
             except Exception as e:
                 raise Failed(
                     f"tracker {name} did not start offline: {type(e).__name__}: {e}",
@@ -403,13 +528,14 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("shm", check_shm),
     ("memlock", check_memlock),
     ("compiler", check_compiler),
+    ("fla", check_fla),
     ("triton", check_triton),
     ("trackers", check_trackers),
 ]
 
 
-def run_checks(config_path: Path, *, nproc: int | None = None) -> list[Check]:
-    ctx = Context(Path(config_path), nproc)
+def run_checks(config_path: Path, *, nproc: int | None = None, full: bool = False) -> list[Check]:
+    ctx = Context(Path(config_path), nproc, full=full)
     results = []
     for name, fn in CHECKS:
         start = time.perf_counter()
@@ -442,9 +568,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=int(os.environ["DFLASH_NPROC"]) if os.environ.get("DFLASH_NPROC") else None,
         help="ranks the launch will start (default $DFLASH_NPROC, else [topology]'s targets + drafters)",
     )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="hash the model and the shards (sha256) against their manifests, not only compare sizes",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    checks = run_checks(args.config, nproc=args.nproc)
+    checks = run_checks(args.config, nproc=args.nproc, full=args.full)
     elapsed = time.perf_counter() - start
     ok = all(c.ok for c in checks)
     if args.json:

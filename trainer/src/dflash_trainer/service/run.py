@@ -47,6 +47,7 @@ class ServiceHooks:
         self.tokens = 0
         self.busy_s = 0.0
         self.last = None
+        self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -73,19 +74,25 @@ class ServiceHooks:
             self.tokens += m.seq_tokens
             self.busy_s += m.seq_tokens / m.tokens_per_s if m.tokens_per_s else 0.0
         self.last = m
+        if m.eval:
+            self.last_eval = (m.step, dict(m.eval))
         self.notifier.watchdog()
         if self.notifier.watchdog_s:
             # A hung step dumps every thread's stack into the journal just before systemd's watchdog fires.
             faulthandler.dump_traceback_later(self.notifier.watchdog_s * 0.8, exit=False)
         every = self.cfg.service.status_every
         if m.step % every == 0 or m.step == self.first_step:
-            self.notifier.status(f"step {m.step} loss {m.loss:.4f} {m.tokens_per_s:.0f} tok/s lr {m.lr:.2e}")
+            status = f"step {m.step} loss {m.loss:.4f} {m.tokens_per_s:.0f} tok/s lr {m.lr:.2e}"
+            if self.last_eval is not None and "walk_tau" in self.last_eval[1]:
+                # The acceptance length serving would see, from the newest evaluation (decode walk).
+                status += f" walk tau {self.last_eval[1]['walk_tau']:.2f} @ {self.last_eval[0]}"
+            self.notifier.status(status)
         if self.trackers and (m.step % self.cfg.train.log_every == 0 or m.eval):
             values = {
                 "train/loss": m.loss,
                 "train/lr": m.lr,
                 "train/grad_norm": m.grad_norm,
-                "train/acceptance_length": m.acceptance_length,
+                "train/anchor_accept": m.anchor_accept,
                 "train/tokens_per_s": m.tokens_per_s,
             } | {f"eval/{k}": v for k, v in (m.eval or {}).items()}
             for tracker in self.trackers:
@@ -125,6 +132,8 @@ class ServiceHooks:
             "tokens_per_s": self.tokens / self.busy_s if self.busy_s else None,
             "peak_memory_bytes": peak,
             "trackers_failed": {t.name: t.failed for t in self.trackers if t.failed},
+            "eval_step": self.last_eval[0] if self.last_eval else None,
+            "eval": self.last_eval[1] if self.last_eval else {},
         }
 
 

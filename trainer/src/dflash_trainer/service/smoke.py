@@ -4,14 +4,21 @@
 step horizon moved into DIR (wandb left out: a smoke run writes to no team dashboard). The script then runs
 `serve` twice as a transient unit (steps 1..STOP, SIGTERM, then a resume to STEPS), and `report DIR` checks
 what those runs left and prints the summary and one PASS or FAIL line.
+
+A smoke run cleans up after itself (a reference-sized checkpoint is tens of GB): `report` removes DIR after a
+PASS (DFLASH_SMOKE_KEEP=1 keeps it), and `prepare` removes what earlier runs left beside DIR (the work
+directories of failed runs, kept for a look until the next run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import sys
+import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +55,7 @@ def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
+def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int | None = None) -> Path:
     raw = tomllib.loads(config.read_text())
     base = config.resolve().parent
     for section, key in PATH_KEYS:  # relative paths resolve against the original file's directory
@@ -56,12 +63,16 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
         if isinstance(value, str) and not Path(value).is_absolute():
             raw[section][key] = str((base / value).resolve())
     out.mkdir(parents=True, exist_ok=True)
+    for old in earlier_runs(out):
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"smoke: removed {old} (an earlier run's work directory)", file=sys.stderr)
     train = raw.setdefault("train", {})
     train.update(
         checkpoint_dir=str(out / "checkpoints"),
         max_steps=steps,
         checkpoint_every=max(1, stop_at * 3 // 5),  # a periodic save before the stop's own save
-        keep_last=max(int(train.get("keep_last", 3)), 5),
+        # Every checkpoint of the run stays for the report, unless the caller counts disk (a GPU rehearsal).
+        keep_last=keep_last if keep_last is not None else max(int(train.get("keep_last", 3)), 5),
         log_every=min(int(train.get("log_every", 10)), 10),
         ema_every=min(int(train.get("ema_every", 10)), 10),
     )
@@ -74,6 +85,19 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int) -> Path:
     path = out / "smoke.toml"
     path.write_text(f"# Written by `dflash-train smoke prepare {config}`.\n" + dump_toml(raw))
     return path
+
+
+def earlier_runs(out: Path) -> list[Path]:
+    """Work directories of earlier smoke runs beside OUT: same name stem (dflash-smoke.XXXXXX), each holding
+    a smoke.toml (so nothing else of that name is touched)."""
+    stem = out.name.split(".")[0]
+    if not stem or stem == out.name:
+        return []
+    return sorted(
+        p
+        for p in out.parent.glob(f"{stem}.*")
+        if p != out and p.is_dir() and not p.is_symlink() and (p / "smoke.toml").is_file()
+    )
 
 
 def _gib(n: float) -> str:
@@ -155,6 +179,31 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
             )
             for dev, n in s["peak_memory_bytes"].items():
                 lines.append(f"  peak memory {dev}: {_gib(n)}")
+    for s in [*all1, *all2]:
+        failed = sorted(k for k in (s.get("eval") or {}) if k.endswith("_failed"))
+        if failed:
+            problems.append(f"rank {s['rank']}: evaluation failed ({', '.join(failed)}; see its ERROR line)")
+    evaluated = [s for s in [*all1, *all2] if s.get("eval")]
+    if evaluated:  # the drafter leader's newest evaluation (figures come from target rank 0)
+        s = max(evaluated, key=lambda s: s.get("eval_step") or 0)
+        e = s["eval"]
+        line = (
+            f"evaluation at step {s.get('eval_step')}: held-out anchor_accept {e.get('anchor_accept', 0):.2f}"
+        )
+        if "walk_tau" in e:
+            line += (
+                f", walk tau {e['walk_tau']:.2f} ({e['walk_steps']:.0f} verify steps, {e['walk_s']:.1f} s)"
+            )
+        lines.append(line)
+    if t0 is not None:
+        lines.append(f"total: {time.time() - t0:.0f} s since `make smoke-train`")
+    keep = os.environ.get("DFLASH_SMOKE_KEEP", "0") not in ("", "0")
+    if problems or keep:
+        why = "DFLASH_SMOKE_KEEP is set" if keep else "kept for a look; the next smoke run removes it"
+        lines.append(f"work directory {out} ({why})")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        lines.append(f"work directory {out} removed (DFLASH_SMOKE_KEEP=1 keeps it)")
     print("---- smoke summary")
     for line in lines:
         print(line)
@@ -170,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="write OUT/smoke.toml from the real configuration")
     p.add_argument("config", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--keep-last", type=int, default=None, help="checkpoints kept (default: at least 5)")
     r = sub.add_parser("report", help="check what the two phases left; print the summary and PASS or FAIL")
     r.add_argument("out", type=Path)
     r.add_argument("--t0", type=float, default=None, help="epoch seconds `make smoke-train` started")
@@ -180,7 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.stop_at < args.steps:
         parser.error("--stop-at must lie between 0 and --steps")
     if args.action == "prepare":
-        print(prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at))
+        print(
+            prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at, keep_last=args.keep_last)
+        )
         return 0
     return report(args.out, steps=args.steps, stop_at=args.stop_at, t0=args.t0)
 

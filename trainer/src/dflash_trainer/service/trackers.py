@@ -4,14 +4,22 @@ Each configured tracker is imported and checked to expose exactly the API this m
 run died at start-up on a wandb API change after the models had loaded for a minute); preflight starts each
 one offline into a temporary directory. During the run every call goes through `SafeTracker`: the first
 failure logs ONE warning naming the tracker and the step, and that tracker is off for the rest of the run.
+
+A tracker never holds the run back: each starts in a background thread and `start_trackers` waits for them
+at most START_WAIT_S (tensorboard is ready well within it); values logged while one is still starting (wandb
+behind a slow or unreachable server retries for up to WANDB_INIT_TIMEOUT_S) are kept and sent once it is up.
+wandb is told to be silent and to leave the console alone, so the journal holds our lines, not its chatter.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import os
 import re
+import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +32,16 @@ log = logging.getLogger("dflash_trainer.trackers")
 
 # Characters wandb refuses in a project name.
 _WANDB_BAD = re.compile(r"[/\\#?%:]")
+# How long start_trackers waits for every tracker before the run goes on (READY is not held longer).
+START_WAIT_S = 3.0
+# wandb's own default is 90 s of retries against an unreachable server; in the background 60 s is plenty.
+WANDB_INIT_TIMEOUT_S = 60.0
+WANDB_FINISH_TIMEOUT_S = 30.0
+# How long close() waits for a tracker that is still starting, and how many values it keeps meanwhile.
+CLOSE_WAIT_S = 5.0
+PENDING_MAX = 10_000
+# wandb's console chatter (login banner, run URLs, retry notices) and its stdout capture, off at the source.
+WANDB_QUIET_ENV = {"WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_CODE": "true"}
 
 
 class TrackerError(RuntimeError):
@@ -47,7 +65,18 @@ class ApiNeed:
 
 
 WANDB_NEEDS = (
-    ApiNeed("wandb.init", ("project", "name", "id", "dir", "mode", "config", "resume")),
+    ApiNeed("wandb.init", ("project", "name", "id", "dir", "mode", "config", "resume", "settings")),
+    ApiNeed(
+        "wandb.Settings",
+        (
+            "silent",
+            "console",
+            "init_timeout",
+            "finish_timeout",
+            "x_graphql_retry_max",
+            "x_graphql_timeout_seconds",
+        ),
+    ),
     ApiNeed("wandb.Run.log", ("data", "step")),
     ApiNeed("wandb.Run.finish", ()),
 )
@@ -148,10 +177,23 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, cfg: TrainConfig, *, mode: str | None = None, directory: Path | None = None) -> None:
+        for key, value in WANDB_QUIET_ENV.items():  # read at import and by its service process
+            os.environ.setdefault(key, value)
         import wandb
 
         run_dir = Path(directory) if directory else Path(cfg.train.checkpoint_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(
+            silent=True,
+            console="off",
+            init_timeout=WANDB_INIT_TIMEOUT_S,
+            # Bounded at the end too: an unreachable server must not hold a stop (save, exit) for minutes.
+            finish_timeout=WANDB_FINISH_TIMEOUT_S,
+            # Its API calls (run creation, finish) retry a few times, not for a minute and more; metrics
+            # stream on their own retry policy, unchanged.
+            x_graphql_retry_max=3,
+            x_graphql_timeout_seconds=10.0,
+        )
         self.run = wandb.init(
             project=cfg.trackers.wandb_project,
             name=cfg.trackers.wandb_run,
@@ -160,6 +202,7 @@ class WandbTracker:
             mode=mode,
             config=cfg.to_dict(),
             resume="allow",
+            settings=settings,
         )
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -179,12 +222,54 @@ def _wandb_run_id(directory: Path) -> str:
 
 
 class SafeTracker:
-    """Wraps a tracker; its first exception logs one warning, then the tracker is off for good."""
+    """Wraps a tracker; its first exception logs one warning, then the tracker is off for good.
 
-    def __init__(self, tracker: Tracker) -> None:
+    `SafeTracker.starting(name, make)` builds the tracker in a background thread instead: values logged
+    before it is up wait in a bounded queue and go out with the first call after it is.
+    """
+
+    def __init__(self, tracker: Tracker | None = None, *, name: str | None = None) -> None:
         self.tracker = tracker
-        self.name = tracker.name
+        self.name = tracker.name if tracker is not None else str(name)
         self.failed: str | None = None
+        self._pending: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=PENDING_MAX)
+        self._up = threading.Event()
+        self._thread: threading.Thread | None = None
+        if tracker is not None:
+            self._up.set()
+
+    @classmethod
+    def starting(cls, name: str, make: Callable[[], Tracker]) -> SafeTracker:
+        safe = cls(name=name)
+        started = time.monotonic()
+
+        def start() -> None:
+            try:
+                safe.tracker = make()
+            except Exception as e:
+                safe.failed = f"did not start: {type(e).__name__}: {e}"
+                log.warning(
+                    "tracker %s did not start (%s: %s); training goes on without it",
+                    name,
+                    type(e).__name__,
+                    e,
+                )
+            else:
+                log.info("tracker %s started in %.1f s", name, time.monotonic() - started)
+            finally:
+                safe._up.set()
+
+        # A daemon thread: a tracker that never answers cannot keep the process from exiting.
+        safe._thread = threading.Thread(target=start, name=f"tracker-{name}", daemon=True)
+        safe._thread.start()
+        return safe
+
+    @property
+    def ready(self) -> bool:
+        return self._up.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._up.wait(timeout)
 
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
         if self.failed is not None:
@@ -200,42 +285,84 @@ class SafeTracker:
                 self.failed,
             )
 
+    def _flush(self) -> None:
+        while self._pending and self.failed is None and self.tracker is not None:
+            step, values = self._pending.popleft()
+            self._guard(f"at step {step}", lambda s=step, v=values: self.tracker.log(s, v))
+
     def log(self, step: int, values: Mapping[str, float]) -> None:
+        if self.failed is not None:
+            return
+        if not self._up.is_set():
+            self._pending.append((step, dict(values)))
+            return
+        self._flush()
         self._guard(f"at step {step}", lambda: self.tracker.log(step, values))
 
     def close(self) -> None:
+        if not self._up.wait(CLOSE_WAIT_S):
+            log.warning(
+                "tracker %s is still starting after %.0f s more; closing without it (%d values not sent)",
+                self.name,
+                CLOSE_WAIT_S,
+                len(self._pending),
+            )
+            return
+        if self.tracker is None:
+            return
+        self._flush()
         self._guard("on close", self.tracker.close)
 
 
-def start_trackers(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> list[SafeTracker]:
-    """The run's trackers; one that cannot start logs one warning and is left out (training goes on)."""
+def start_trackers(
+    cfg: TrainConfig, *, environ: Mapping[str, str] | None = None, wait_s: float = START_WAIT_S
+) -> list[SafeTracker]:
+    """The run's trackers, each starting in the background; waits at most wait_s for them all, so no tracker
+    holds READY back. One that cannot start logs one warning and is off (training goes on)."""
     env = os.environ if environ is None else environ
     started = []
     for name in configured(cfg):
-        try:
-            if name == "tensorboard":
-                tracker: Tracker = TensorboardTracker(cfg.trackers.tensorboard)
-            else:
-                tracker = WandbTracker(cfg, mode=env.get("WANDB_MODE"))
-        except Exception as e:
-            log.warning(
-                "tracker %s did not start (%s: %s); training goes on without it", name, type(e).__name__, e
+        if name == "tensorboard":
+            make: Callable[[], Tracker] = lambda: TensorboardTracker(cfg.trackers.tensorboard)  # noqa: E731
+        else:
+            make = lambda: WandbTracker(cfg, mode=env.get("WANDB_MODE"))  # noqa: E731
+        started.append(SafeTracker.starting(name, make))
+    deadline = time.monotonic() + wait_s
+    for tracker in started:
+        if not tracker.wait(max(0.0, deadline - time.monotonic())):
+            log.info(
+                "tracker %s is still starting after %.0f s; training goes on, its values are sent once it is",
+                tracker.name,
+                wait_s,
             )
-            continue
-        log.info("tracker %s started", name)
-        started.append(SafeTracker(tracker))
     return started
 
 
 def try_offline(cfg: TrainConfig, name: str, scratch: Path) -> None:
     """Preflight: starts the tracker offline in `scratch`, logs one value, closes it; raises on failure."""
     if name == "tensorboard":
-        target = Path(cfg.trackers.tensorboard)
-        probe = target if target.exists() else next((p for p in target.parents if p.exists()), Path("/"))
-        if not os.access(probe, os.W_OK):
-            raise TrackerError(f"trackers.tensorboard {target}: {probe} is not writable")
+        probe_dir_creatable(Path(cfg.trackers.tensorboard), "trackers.tensorboard")
         tracker: Tracker = TensorboardTracker(scratch / "tensorboard")
     else:
         tracker = WandbTracker(cfg, mode="offline", directory=scratch / "wandb")
     tracker.log(0, {"preflight": 1.0})
     tracker.close()
+
+
+def probe_dir_creatable(target: Path, key: str) -> None:
+    """Creates TARGET (and its missing parents) and a file in it, then removes what it made: the real test,
+    where a permission bit test says yes to root on a read-only file system or under a regular file."""
+    missing = [p for p in (target, *target.parents) if not p.exists()]
+    top = missing[-1] if missing else None
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".dflash-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TrackerError(f"{key} {target}: cannot be created or written ({e.strerror or e})") from None
+    finally:
+        if top is not None and top.is_dir():
+            import shutil
+
+            shutil.rmtree(top, ignore_errors=True)

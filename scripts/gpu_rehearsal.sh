@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU rehearsal: `make smoke-train`'s sequence on a lent GPU machine (no systemd needed), in one command.
+#   device run (carry .whl: flash-linear-attention + fla-core wheels):  bash scripts/gpu_rehearsal.sh [REHEARSE ARGS]
+# 1. the GPU tests of the kernels the trainer swaps in (FLA's causal conv against the torch one);
+# 2. python -m dflash_trainer.service.rehearse: a random Qwen3.6-27B-shaped target in /dev/shm, then preflight,
+#    launch -- serve (READY, steps 1-50, SIGTERM -> checkpoint, exit 0), launch -- serve (resume, steps 51-100),
+#    export, export --check, the smoke summary and PASS or FAIL. One rank per GPU (one GPU: one process).
+# State (the target, checkpoints of ~27 GB each) stays under STATE; logs and figures are copied to $OUT.
+set -u
+OUT=${OUT:-/tmp/gpu-rehearsal}
+STATE=${STATE:-/var/tmp/dflash-rehearsal}
+mkdir -p "$OUT" "$STATE"
+source "$(dirname "$0")/gpu_env.sh"
+python3 -c 'import fla; print("flash-linear-attention", fla.__version__)'
+df -h "$STATE" /dev/shm | sed 's/^/disk: /'
+if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
+  echo "=== GPU tests of the kernels"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests/test_kernels.py 2>&1 | tail -n 15
+fi
+echo "=== rehearsal"
+python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "$@"
+rc=$?
+cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
+exit $rc

@@ -1,0 +1,457 @@
+"""`python -m dflash_trainer.service.rehearse`: `make smoke-train`'s sequence on a machine without systemd.
+
+A GPU machine rehearses a real run in one command (scripts/gpu_rehearsal.sh wraps it): a random target of
+a published shape staged in /dev/shm with its manifest, random-token shards, then the entry points the unit
+runs, in its order: `preflight`, `launch -- serve` with --pause-at (phase 1: READY, steps, a periodic
+checkpoint, SIGTERM at the pause: a checkpoint and exit 0), `launch -- serve` again (phase 2: resumes at that
+step, runs to the end), `export` and `export --check`, then `smoke report` (the smoke summary, PASS or FAIL).
+This process plays systemd's part: it owns the $NOTIFY_SOCKET the ranks send READY/STATUS/WATCHDOG to, sends
+SIGTERM to the launcher as `systemctl stop` would, and times every phase. Figures go to OUT/rehearsal.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "reference.toml"
+CLI = [sys.executable, "-m", "dflash_trainer.service"]
+MAIN_CLI = [sys.executable, "-m", "dflash_trainer.cli"]
+
+
+def say(text: str) -> None:
+    print(f"rehearse: {text}", flush=True)
+
+
+class NotifyListener:
+    """The $NOTIFY_SOCKET end systemd would hold: records each message with its arrival time."""
+
+    def __init__(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            now = time.time()
+            self.messages.extend((now, f) for f in data.decode(errors="replace").splitlines())
+
+    def first(self, prefix: str, since: float = 0.0) -> float | None:
+        return next((t for t, m in list(self.messages) if t >= since and m.startswith(prefix)), None)
+
+    def status_with(self, text: str, since: float) -> bool:
+        return any(t >= since and m.startswith("STATUS=") and text in m for t, m in list(self.messages))
+
+    def count(self, prefix: str, since: float) -> int:
+        return sum(1 for t, m in list(self.messages) if t >= since and m.startswith(prefix))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class Phase:
+    name: str
+    exit_code: int | None = None
+    launched_at: float = 0.0
+    ready_s: float | None = None  # launch -> READY=1
+    first_step_s: float | None = None  # launch -> the first finished step (the rank's summary)
+    term_to_exit_s: float | None = None  # SIGTERM -> the launcher's exit (phase 1: includes the final save)
+    watchdog_pings: int = 0
+    wall_s: float = 0.0
+    checkpoint_stalls_s: list[float] = field(default_factory=list)
+    summaries: list[dict] = field(default_factory=list)
+
+
+def _pump(proc: subprocess.Popen, log_path: Path, echo: re.Pattern) -> threading.Thread:
+    """Copies the launcher's output to a file, echoing the lines an operator reads in the journal."""
+
+    def run() -> None:
+        with log_path.open("a") as log:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()  # the fault scenario reads the log while the job runs
+                if echo.search(line):
+                    print(line, end="", flush=True)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+ECHO = re.compile(
+    r"ready|resumed|saved|checkpoint|step \d+ |error|critical|warning|traceback|stopp|finished", re.I
+)
+STALL = re.compile(r"stall(?:ed)?[^0-9]{0,20}([0-9.]+) ?s")
+
+
+def run_phase(
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    out: Path,
+    notify: NotifyListener,
+    *,
+    pause_at: int | None,
+    timeout: float,
+) -> Phase:
+    phase = Phase(name)
+    log_path = out / f"{name}.log"
+    phase.launched_at = start = time.time()
+    say(f"{name}: {' '.join(cmd[1:])}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pump = _pump(proc, log_path, ECHO)
+    deadline = start + timeout
+    if pause_at is not None:
+        while proc.poll() is None and not notify.status_with("paused", start) and time.time() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            term = time.time()
+            why = f"paused at step {pause_at}" if time.time() < deadline else "TIMEOUT"
+            say(f"{name}: {why}; SIGTERM")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(60.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            phase.term_to_exit_s = time.time() - term
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        say(f"{name}: TIMEOUT after {timeout:.0f} s; SIGTERM, then SIGKILL")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    pump.join(timeout=5)
+    phase.exit_code = proc.returncode
+    phase.wall_s = time.time() - start
+    ready = notify.first("READY=1", start)
+    phase.ready_s = None if ready is None else ready - start
+    phase.watchdog_pings = notify.count("WATCHDOG=1", start)
+    phase.checkpoint_stalls_s = [float(m.group(1)) for m in STALL.finditer(log_path.read_text())]
+    for path in sorted((out / name).glob("summary-rank*.json")):
+        summary = json.loads(path.read_text())
+        phase.summaries.append(summary)
+        if summary.get("first_step_at") and phase.first_step_s is None:
+            phase.first_step_s = summary["first_step_at"] - start
+    say(
+        f"{name}: exit {phase.exit_code} after {phase.wall_s:.1f} s; READY after {phase.ready_s} s; "
+        f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings"
+    )
+    return phase
+
+
+STARTED = re.compile(r"started \d+ rank\(s\): (.*)")
+SAVED = re.compile(r"checkpoint (step-\d+): stall")
+
+
+def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, rank: int,
+              timeout: float) -> dict:  # fmt: skip
+    """One rank killed mid-run (SIGKILL, as the OOM killer does): the launcher must end the job within seconds
+    naming that rank, and a restart must resume at the newest checkpoint. Its own short run under OUT/."""
+    fault = {"rank": rank}
+    launch = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config)]
+    log_path = out / "fault-run1.log"
+    start = time.time()
+    proc = subprocess.Popen([*launch, "--summary", str(out / "run1")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    pump = _pump(proc, log_path, ECHO)
+    pids: dict[int, int] = {}
+    saved = None
+    while proc.poll() is None and time.time() - start < timeout:
+        text = log_path.read_text() if log_path.exists() else ""
+        if m := STARTED.search(text):
+            pids = {int(r): int(p) for r, p in re.findall(r"(\d+)=pid (\d+)", m.group(1))}
+        found = SAVED.findall(text)
+        if found and pids:
+            saved = found[-1]
+            break
+        time.sleep(0.2)
+    if saved is None or rank not in pids:
+        proc.kill()
+        fault["error"] = f"no checkpoint or no pid of rank {rank} within {timeout:.0f} s"
+        return fault
+    killed = time.time()
+    try:
+        os.kill(pids[rank], signal.SIGKILL)
+    except ProcessLookupError:
+        proc.wait()
+        fault["error"] = f"rank {rank} had ended before the kill (the run was too short)"
+        return fault
+    say(f"fault: SIGKILL to rank {rank} (pid {pids[rank]}) after {saved}")
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    pump.join(timeout=5)
+    fault["job_ended_s"] = time.time() - killed
+    fault["exit_code"] = proc.returncode
+    text = log_path.read_text()
+    fault["named"] = f"rank {rank} killed by SIGKILL" in text
+    phase = run_phase("fault-run2", [*launch, "--summary", str(out / "fault-run2")], env, out, notify,
+                      pause_at=None, timeout=timeout)  # fmt: skip
+    newest = int(SAVED.findall(log_path.read_text())[-1].split("-")[1])
+    firsts = [s["first_step"] for s in phase.summaries if s.get("first_step")]
+    fault.update(
+        resumed_at=firsts[0] if firsts else None, checkpoint_step=newest, restart_exit=phase.exit_code
+    )
+    fault["ok"] = bool(
+        fault["exit_code"] not in (0, None) and fault["named"] and fault["job_ended_s"] < 30
+        and phase.exit_code == 0 and firsts and firsts[0] == newest + 1
+    )  # fmt: skip
+    say(f"fault: {fault}")
+    return fault
+
+
+_RATES = re.compile(r"one target: ([0-9.]+) tokens/s, one drafter: ([0-9.]+) tokens/s")
+
+
+def pipeline_efficiency(config: Path, world: int, env: dict[str, str], summaries: list[dict]) -> dict:
+    """Measured pipeline tokens/s (the drafter leader's, phase 2) over min(N*t, M*d) from `plan`'s standalone
+    figures measured in the same run on this machine."""
+    raw = tomllib.loads(config.read_text()).get("topology", {})
+    n, m = int(raw.get("targets", 1)), int(raw.get("drafters", 1))
+    proc = subprocess.run([*MAIN_CLI, "plan", str(max(2, world)), str(config)], env=env, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    found = _RATES.search(proc.stdout)
+    rates = [s["tokens_per_s"] for s in summaries if s.get("tokens_per_s")]
+    if not found or not rates:
+        return {"error": (proc.stderr or proc.stdout)[-500:] or "no rate in the summaries"}
+    t, d = float(found.group(1)), float(found.group(2))
+    bound = min(n * t, m * d)
+    return {"pipeline_tokens_per_s": rates[0], "target_tokens_per_s": t, "drafter_tokens_per_s": d,
+            "split": f"{n}:{m}", "efficiency": rates[0] / bound}  # fmt: skip
+
+
+# ---- what the run trains on ----
+
+
+def stage_target(path: Path, shape: str, layers: int | None) -> float:
+    """Writes the random target into `path` unless a complete one (its manifest matches) is there."""
+    from dflash_trainer.manifest import check_manifest
+
+    if path.is_dir() and (path / "MANIFEST.json").is_file() and not check_manifest(path):
+        say(f"target: {path} already staged (its manifest matches)")
+        return 0.0
+    start = time.time()
+    cmd = [*MAIN_CLI, "model", "random", "--shape", shape, str(path)]
+    subprocess.run(cmd + (["--layers", str(layers)] if layers else []), check=True)
+    return time.time() - start
+
+
+def write_shards(path: Path, *, vocab: int, mask_id: int, seq_len: int, rows: int, shards: int) -> None:
+    """Random-token rows (a quarter prompt, the rest supervised) below the mask id, with a manifest."""
+    import numpy as np
+
+    from dflash_trainer.data.synth import write_shard
+    from dflash_trainer.manifest import write_manifest
+
+    if (path / "MANIFEST.json").is_file():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    bound = mask_id if mask_id < vocab else vocab
+    for i in range(shards):
+        ids = rng.integers(0, bound, size=(rows, seq_len))
+        mask = np.zeros((rows, seq_len), dtype=np.int8)
+        mask[:, seq_len // 4 :] = 1
+        write_shard(path / f"shard-{i:05d}.arrow", [(r, m) for r, m in zip(ids, mask, strict=True)])
+    write_manifest(path)
+
+
+def write_config(base: Path, out: Path, *, target: Path, shards: Path, world: int, overrides: dict) -> Path:
+    """The reference configuration pointed at the rehearsal's target, shards and state directory."""
+    from dflash_trainer.service.smoke import dump_toml
+
+    raw = tomllib.loads(base.read_text())
+    raw["model"]["target_path"] = str(target)
+    raw["data"]["shards"] = str(shards)
+    raw["data"]["held_out"] = min(int(raw["data"].get("held_out", 64)), 8)
+    raw["train"]["checkpoint_dir"] = str(out / "checkpoints")
+    raw.setdefault("trackers", {})["tensorboard"] = str(out / "tensorboard")
+    if world == 1:
+        raw.pop("topology", None)  # one rank: the whole run in one process
+    else:
+        raw["topology"] = {"targets": world // 2, "drafters": world - world // 2}
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        raw.setdefault(section, {})[key] = value
+    path = out / "rehearsal.toml"
+    path.write_text("# Written by dflash_trainer.service.rehearse.\n" + dump_toml(raw))
+    return path
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    if "." not in key or not value:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: use SECTION.KEY=VALUE (a TOML value)")
+    return key, tomllib.loads(f"v = {value}")["v"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_trainer.service.rehearse", description=__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="state: config, checkpoints, logs, figures")
+    parser.add_argument("--shape", default="qwen3.6-27b")
+    parser.add_argument("--layers", type=int, help="target layers to keep (default: all)")
+    parser.add_argument("--target-dir", type=Path, default=Path("/dev/shm/dflash/model"))
+    parser.add_argument("--shards-dir", type=Path, default=None, help="default: OUT/shards")
+    parser.add_argument("--config", type=Path, default=REPO_CONFIG, help="the configuration to rehearse")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: one per GPU)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--stop-at", type=int, default=50)
+    parser.add_argument(
+        "--keep-last", type=int, default=1, help="checkpoints kept (each ~27 GB at the reference)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=_parse_override,
+        action="append",
+        default=[],
+        help="SECTION.KEY=VALUE over the configuration (repeatable)",
+    )
+    parser.add_argument("--phase-timeout", type=float, default=900)
+    parser.add_argument("--fault-rank", type=int, help="afterwards: SIGKILL this rank mid-run, then restart")
+    parser.add_argument("--fault-steps", type=int, default=30, help="steps of the fault scenario's own run")
+    parser.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="afterwards: pipeline tokens/s over `plan`'s standalone bound",
+    )
+    args = parser.parse_args(argv)
+
+    import torch
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    world = args.nproc or max(1, gpus)
+    figures: dict = {"gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "world": world}
+    figures["versions"] = {m: __import__(m).__version__ for m in ("torch", "transformers", "triton")}
+    t0 = time.time()
+
+    figures["target_write_s"] = stage_target(args.target_dir, args.shape, args.layers)
+    raw = tomllib.loads(args.config.read_text())
+    target_cfg = json.loads((args.target_dir / "config.json").read_text())
+    vocab = target_cfg.get("text_config", target_cfg)["vocab_size"]
+    mask_id = dict(args.overrides).get("drafter.mask_token_id", raw["drafter"]["mask_token_id"])
+    seq_len = int(dict(args.overrides).get("data.seq_len", raw["data"]["seq_len"]))
+    shards = (args.shards_dir or out / "shards").resolve()
+    write_shards(shards, vocab=vocab, mask_id=mask_id, seq_len=seq_len, rows=64, shards=4)
+    config = write_config(
+        args.config, out, target=args.target_dir, shards=shards, world=world, overrides=dict(args.overrides)
+    )
+    subprocess.run(
+        [*CLI, "smoke", "prepare", str(config), "--out", str(out), "--steps", str(args.steps),
+         "--stop-at", str(args.stop_at), "--keep-last", str(args.keep_last)],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    smoke_toml = out / "smoke.toml"
+
+    env = os.environ | {
+        "PYTHONUNBUFFERED": "1",
+        "DFLASH_NPROC": str(world),
+        "NOTIFY_SOCKET": str(out / "notify.sock"),
+        "WATCHDOG_USEC": str(300 * 10**6),
+        # Where L3 keeps them in CT 200: a restart finds the kernels compiled and autotuned.
+        "TRITON_CACHE_DIR": str(out / "cache" / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(out / "cache" / "inductor"),
+    }
+    notify = NotifyListener(out / "notify.sock")
+    ok = True
+    try:
+        start = time.time()
+        pre = subprocess.run(
+            [*CLI, "preflight", "--nproc", str(world), str(smoke_toml)], env=env, check=False
+        )
+        figures["preflight_s"] = time.time() - start
+        if pre.returncode != 0:
+            say("preflight FAILED (the lines above name each fix)")
+            print("FAIL")
+            return 1
+        launch = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(smoke_toml)]
+        p1 = run_phase("phase1", [*launch, "--pause-at", str(args.stop_at), "--summary", str(out / "phase1")],
+                       env, out, notify, pause_at=args.stop_at, timeout=args.phase_timeout)  # fmt: skip
+        p2 = run_phase("phase2", [*launch, "--summary", str(out / "phase2")], env, out, notify,
+                       pause_at=None, timeout=args.phase_timeout)  # fmt: skip
+        figures["phases"] = [asdict(p1), asdict(p2)]
+        ok = p1.exit_code == 0 and p2.exit_code == 0 and p1.ready_s is not None and p2.ready_s is not None
+        start = time.time()
+        export = subprocess.run(
+            [*MAIN_CLI, "export", str(out / "checkpoints"), str(out / "export")], check=False
+        )
+        figures["export_s"] = time.time() - start
+        check = subprocess.run(
+            [*MAIN_CLI, "export", "--check", str(out / "export"), "--against", str(out / "checkpoints")],
+            check=False,
+        )
+        ok = ok and export.returncode == 0 and check.returncode == 0
+        if args.efficiency:
+            figures["efficiency"] = pipeline_efficiency(smoke_toml, world, env, p2.summaries)
+            say(f"efficiency: {figures['efficiency']}")
+        if args.fault_rank is not None:
+            fault_dir = out / "fault"
+            subprocess.run(
+                [*CLI, "smoke", "prepare", str(config), "--out", str(fault_dir), "--steps",
+                 str(args.fault_steps), "--stop-at", "10", "--keep-last", "1"],
+                check=True, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            figures["fault"] = run_fault(fault_dir / "smoke.toml", fault_dir, env, notify, world=world,
+                                         rank=args.fault_rank, timeout=args.phase_timeout)  # fmt: skip
+            ok = ok and bool(figures["fault"].get("ok"))
+    finally:
+        notify.close()
+    figures["total_s"] = time.time() - t0
+    (out / "rehearsal.json").write_text(json.dumps(figures, indent=1) + "\n")
+    report = subprocess.run(
+        [*CLI, "smoke", "report", str(out), "--steps", str(args.steps), "--stop-at", str(args.stop_at),
+         "--t0", str(t0)], check=False, env=os.environ | {"DFLASH_SMOKE_KEEP": "1"},  # OUT holds the figures
+    )  # fmt: skip
+    for p in (p1, p2):
+        ready, first = (None if v is None else round(v, 1) for v in (p.ready_s, p.first_step_s))
+        say(
+            f"{p.name}: READY {ready} s, first step {first} s after launch; "
+            f"checkpoint stalls {p.checkpoint_stalls_s} s"
+            + (f"; SIGTERM to exit {p.term_to_exit_s:.1f} s" if p.term_to_exit_s is not None else "")
+        )
+    say(
+        f"export {figures['export_s']:.1f} s; total {figures['total_s']:.0f} s; figures: {out}/rehearsal.json"
+    )
+    passed = ok and report.returncode == 0
+    print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The GPU rehearsal's driver, run end to end on the CPU with a tiny target of the reference's structure.
+
+The same sequence scripts/gpu_rehearsal.sh runs on a GPU machine: model random, preflight, launch -- serve
+with a pause and SIGTERM (a checkpoint, exit 0), a resume to the end, export and export --check, the smoke
+report; READY, STATUS and WATCHDOG arrive on the driver's notify socket as they would at systemd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = {
+    "drafter.mask_token_id": "511",
+    "drafter.block_size": "4",
+    "drafter.gamma": "4.0",
+    "drafter.num_layers": "2",
+    "drafter.layer_types": '["sliding_attention", "full_attention"]',
+    "drafter.sliding_window": "16",
+    "drafter.num_attention_heads": "4",
+    "drafter.num_key_value_heads": "2",
+    "drafter.head_dim": "16",
+    "drafter.intermediate_size": "128",
+    "data.seq_len": "64",
+    "data.max_anchors": "8",
+    "train.device": '"cpu"',
+    "train.dtype": '"float32"',
+    "train.compile": "false",
+    "train.gradient_checkpointing": "false",
+    "train.loss_chunk": "64",
+    "train.ema_every": "1",
+    "train.eval_walk_new_tokens": "8",  # the decode walk at the smoke's evaluation, kept short on CPU
+}
+
+
+@pytest.mark.slow
+def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
+    """Two ranks (1:1 over gloo), as the two-GPU rehearsal; then the fault: one rank SIGKILLed mid-run."""
+    out = tmp_path / "run"
+    target = str(tmp_path / "target")
+    cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out),
+           "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3",
+           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "12"]  # fmt: skip
+    for key, value in SMALL.items():
+        cmd += ["--set", f"{key}={value}"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=os.environ | {"NO_COLOR": "1"}
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "PASS"
+    figures = json.loads((out / "rehearsal.json").read_text())
+    phase1, phase2 = figures["phases"]
+    assert phase1["exit_code"] == phase2["exit_code"] == 0
+    assert phase1["ready_s"] is not None and phase2["ready_s"] is not None  # READY=1 reached the socket
+    assert phase1["term_to_exit_s"] is not None and phase1["watchdog_pings"] >= 1
+    assert phase1["checkpoint_stalls_s"], "each save logs its stall"
+    assert {s["first_step"] for s in phase2["summaries"] if s.get("first_step")} == {4}  # resumed at 3
+    assert (out / "export" / "config.json").is_file()
+    fault = figures["fault"]
+    assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank
+    assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault
