@@ -5,6 +5,7 @@ and `make provision`'s inventory check refusing a mismatch before it touches a h
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tomllib
@@ -60,11 +61,24 @@ def test_the_inventory_check_refuses_a_mismatch_before_any_host(tmp_path: Path) 
     check = [sys.executable, str(REPO / "scripts/check_inventory.py")]
     inv = tmp_path / "inv"
     subprocess.run(["cp", "-r", str(REPO / "inventory/example"), str(inv)], check=True)
-    assert subprocess.run([*check, str(inv)], capture_output=True, check=False).returncode == 0
+    # A real inventory's vault is encrypted (the check refuses a plain one): encrypt the copy's placeholders.
+    password = tmp_path / "vault-password"
+    password.write_text("lab-test\n")
+    password.chmod(0o600)
+    vault = [
+        str(Path(sys.executable).parent / "ansible-vault"),
+        "encrypt",
+        "--vault-password-file",
+        str(password),
+    ]
+    subprocess.run([*vault, str(inv / "group_vars/all/vault.yml")], check=True, capture_output=True)
+    env = os.environ | {"ANSIBLE_VAULT_PASSWORD_FILE": str(password)}
+    ok = subprocess.run([*check, str(inv)], capture_output=True, text=True, check=False, env=env)
+    assert ok.returncode == 0, ok.stderr
     container = inv / "group_vars/all/container.yml"
     container.write_text(
         container.read_text().replace("ct_gpus: [0, 1, 2, 3, 4, 5, 6, 7]", "ct_gpus: [0, 1]")
     )
-    proc = subprocess.run([*check, str(inv)], capture_output=True, text=True, check=False)
+    proc = subprocess.run([*check, str(inv)], capture_output=True, text=True, check=False, env=env)
     assert proc.returncode == 1
     assert "[topology] 5 targets + 3 drafters = 8 ranks" in proc.stderr and "ct_gpus 2 GPU(s)" in proc.stderr
