@@ -62,11 +62,15 @@ def test_venv_is_the_lock(host, hostvars: dict[str, Any]) -> None:
     assert stamp.content_string.strip() == hashlib.sha256(lock).hexdigest(), (
         f"{v} was built from another lock than {lock_path}"
     )
-    freeze = pins(host.check_output(f"{v}/bin/python -m pip freeze --disable-pip-version-check"))
-    freeze.pop("dflash-trainer", None)
+    # --all: setuptools is a pin of the lock too; pip itself is the venv's own (requirements/pip.lock).
+    freeze = pins(host.check_output(f"{v}/bin/python -m pip freeze --all --disable-pip-version-check"))
+    for own in ("dflash-trainer", "pip"):
+        freeze.pop(own, None)
     # The lock's own reader: its pins carry `\` continuations and --hash lines (scripts/locks.py).
-    want = {p.name: v.split("+", 1)[0] for p in locks.read_lock(REPO / lock_path).pins if (v := p.version)}
-    want = {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in want.items()}
+    want = {
+        re.sub(r"[-_.]+", "-", p.name).lower(): p.version.split("+", 1)[0]
+        for p in locks.read_lock(REPO / lock_path).pins
+    }
     wrong = {n: (want.get(n), freeze.get(n)) for n in set(want) | set(freeze) if want.get(n) != freeze.get(n)}
     assert not wrong, f"{v} differs from {lock_path} (name: (lock, installed)): {dict(sorted(wrong.items()))}"
 
