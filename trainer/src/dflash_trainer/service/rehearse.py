@@ -106,6 +106,14 @@ def _pump(proc: subprocess.Popen, log_path: Path, echo: re.Pattern) -> threading
     return t
 
 
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 ECHO = re.compile(
     r"ready|resumed|saved|checkpoint|step \d+ |error|critical|warning|traceback|stopp|finished", re.I
 )
@@ -147,11 +155,7 @@ def run_phase(
     except subprocess.TimeoutExpired:
         say(f"{name}: TIMEOUT after {timeout:.0f} s; SIGTERM, then SIGKILL")
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _wait_or_kill(proc, 120)
     pump.join(timeout=5)
     phase.exit_code = proc.returncode
     phase.wall_s = time.time() - start
@@ -209,11 +213,7 @@ def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListen
         fault["error"] = f"rank {rank} had ended before the kill (the run was too short)"
         return fault
     say(f"fault: SIGKILL to rank {rank} (pid {pids[rank]}) after {saved}")
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    _wait_or_kill(proc, 120)
     pump.join(timeout=5)
     fault["job_ended_s"] = time.time() - killed
     fault["exit_code"] = proc.returncode
