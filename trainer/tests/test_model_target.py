@@ -162,3 +162,36 @@ def test_fast_load_path_equals_from_pretrained(tiny_target, kind):
         torch.testing.assert_close(b, rb, rtol=0, atol=0, msg=name)
     ids = torch.randint(0, 500, (1, 20))
     torch.testing.assert_close(fast.eval()(ids).logits, ref.eval()(ids).logits)
+
+
+def test_fast_load_reads_only_the_shards_the_truncated_target_needs(tmp_path):
+    """On a sharded checkpoint with its index, shards holding only the vision tower or layers after the last
+    captured one are not read, and the model equals transformers' own load of the same layers."""
+    from dflash_trainer.model.shapes import write_random_target
+    from dflash_trainer.model.target import (
+        CAUSAL_LM_CLASSES,
+        _fast_load,
+        _files_holding,
+        _from_pretrained,
+        _truncated,
+    )
+
+    out = write_random_target(tmp_path / "t", "qwen3.6-mini", device="cpu", progress=lambda _: None)
+    cfg = read_text_config(out)
+    short = _truncated(cfg, 2)
+    cls = CAUSAL_LM_CLASSES[cfg.model_type]
+    with torch.device("meta"):
+        wanted = set(cls._from_config(short).state_dict())
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    files = {f.name for f in _files_holding(out, wanted)}
+    vision_only = {
+        f
+        for f in set(index.values())
+        if all(k.startswith("model.visual.") for k, v in index.items() if v == f)
+    }
+    assert vision_only and not files & vision_only
+    assert len(files) < len(set(index.values()))
+    fast = _fast_load(cls, out, short, torch.device("cpu"), torch.float32)
+    ref = _from_pretrained(cls, out, short, torch.float32)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[key], value, rtol=0, atol=0, msg=key)

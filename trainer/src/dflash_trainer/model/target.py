@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -127,6 +128,28 @@ class TargetModel:
 _PREFIXES = ("model.language_model.", "model.")
 
 
+def _text_model_name(key: str) -> str | None:
+    """The causal LM's name of a checkpoint key; None for what is not the text model (vision tower, MTP)."""
+    if key == "lm_head.weight":
+        return key
+    prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+    return None if prefix is None else "model." + key[len(prefix) :]
+
+
+def _files_holding(path: Path, wanted: set[str]) -> list[Path]:
+    """The shard files holding any weight the truncated model needs, by the checkpoint's index when it has
+    one: shards of only the vision tower or of layers after the last captured one are not read at all."""
+    from dflash_trainer.model.fast_load import safetensors_files
+
+    files = safetensors_files(path)
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return files
+    weight_map = json.loads(index.read_text())["weight_map"]
+    needed = {file for key, file in weight_map.items() if _text_model_name(key) in wanted}
+    return [f for f in files if f.name in needed]
+
+
 class NeedsConversion(ValueError):
     """The checkpoint's keys are not the model's own: only from_pretrained's converting loader places them."""
 
@@ -140,20 +163,14 @@ def _fast_load(
     tensor (about 20 s of a restart on an H200); fast_load streams each shard file to the device in large
     pinned chunks and the parameters become views of that memory (assign=True: no second copy).
     """
-    from dflash_trainer.model.fast_load import load_files, safetensors_files
+    from dflash_trainer.model.fast_load import load_files
 
     with torch.device("meta"):
         model = cls._from_config(short, dtype=dtype, attn_implementation="sdpa")
     wanted = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
-    for key, tensor in load_files(safetensors_files(path), device).items():
-        if key == "lm_head.weight":
-            name = key
-        else:
-            prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
-            if prefix is None:
-                continue  # the vision tower, MTP heads: not the text model
-            name = "model." + key[len(prefix) :]
+    for key, tensor in load_files(_files_holding(path, wanted), device).items():
+        name = _text_model_name(key)
         if name in wanted:
             state[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
     missing = sorted(wanted - set(state))
