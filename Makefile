@@ -57,9 +57,10 @@ lab-status: bootstrap ## print each part of the lab and whether it is up
 	$(PY) -m lab status --inventory inventory/lab
 
 .PHONY: provision
-provision: bootstrap ## run ansible/site.yml against INVENTORY, layer by layer
+provision: bootstrap ## run ansible/site.yml against INVENTORY, layer by layer (VERIFY=all: every layer's checks)
 	@$(CHECK_INVENTORY)
-	ansible-playbook -i $(INVENTORY) ansible/site.yml $(if $(TAGS),--tags $(TAGS))
+	ansible-playbook -i $(INVENTORY) ansible/site.yml $(if $(TAGS),--tags $(TAGS)) \
+	  $(if $(filter all,$(VERIFY)),-e verify_skip_unchanged=false)
 
 .PHONY: verify
 verify: bootstrap ## run the testinfra layer checks against INVENTORY, in layer order
