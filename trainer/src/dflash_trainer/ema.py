@@ -83,12 +83,20 @@ class CpuEma:
         self._frozen.release()
 
     def load_state_dict(self, state: dict) -> None:
+        """Checks the names now; copies the values in the worker, like a fold (6.8 GB read from a memory-mapped
+        checkpoint at the reference: seconds a restart need not wait for before its first step). The next
+        update, `weights` and `state_dict` wait for it."""
         self.wait()
         if state["shadow"].keys() != self.shadow.keys():
             raise ValueError("EMA state does not match the drafter's parameters")
-        for name, tensor in state["shadow"].items():
-            self.shadow[name].copy_(tensor)
-        self.num_updates = state["num_updates"]
+
+        def copy() -> None:
+            with self._frozen:
+                for name, tensor in state["shadow"].items():
+                    self.shadow[name].copy_(tensor)
+                self.num_updates = state["num_updates"]
+
+        self._pending = self._worker.submit(copy)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The averaged parameters (fp32, CPU), by parameter name."""

@@ -597,6 +597,7 @@ class DrafterSide:
         self.num_drafters = num_drafters
         self.embed_tokens, self.lm_head = head.embed_tokens, head.lm_head
         self.spec = drafter.spec if drafter is not None else drafter_spec(cfg, head.config)
+        start = time.perf_counter()
         self.drafter = drafter if drafter is not None else new_drafter(cfg, self.spec, device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             ddp = nn.parallel.DistributedDataParallel(
@@ -626,6 +627,12 @@ class DrafterSide:
             if self.leader
             else None
         )
+        if self.leader:  # where a start's seconds go (the warm restart's goal is its first step in < 30 s)
+            log.info(
+                "drafter: %d layers, %.2fB parameters on %s, with its optimizer and EMA, in %.1f s",
+                cfg.drafter.num_layers, sum(p.numel() for p in params) / 1e9, device,
+                time.perf_counter() - start,
+            )  # fmt: skip
         t = cfg.train
         self.checkpointer = (
             AsyncCheckpointer(t.checkpoint_dir, keep_last=t.keep_last) if save and self.leader else None
@@ -704,17 +711,18 @@ class DrafterSide:
             "config": self.cfg.to_dict(),
         }
 
-    def save(self, next_step: int) -> Path:
+    def save(self, next_step: int, *, final: bool = False) -> Path:
         """Snapshots the state and writes it in the background (leader only)."""
         assert self.checkpointer is not None and self.ema is not None
         ema = self.ema
         # The EMA is written live (frozen, not copied: 6.8 GB of host memory and a CPU copy in the stall).
         return self.checkpointer.save(
-            self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw
+            self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw, final=final
         )
 
     def resume(self, path: Path) -> Position:
         """Loads a checkpoint of any topology (every drafter: the DDP replicas must start equal)."""
+        start = time.perf_counter()
         state, ema_state = load_checkpoint(path, ema=self.ema is not None)
         if "position" not in state:
             raise ValueError(
@@ -730,7 +738,8 @@ class DrafterSide:
         pos = state["position"]
         next_item = -(-pos["rows"] // self.cfg.optim.batch)
         if self.leader:
-            log.info("resumed from %s (step %d)", path, self.step_count)
+            seconds = time.perf_counter() - start
+            log.info("checkpoint loaded in %.1f s; resumed from %s (step %d)", seconds, path, self.step_count)
             if pos["drafters"] != self.num_drafters:
                 log.info(
                     "%s was written by %d drafter rank(s), this run has %d: continuing at item %d",
@@ -747,11 +756,15 @@ class DrafterSide:
         path = None
         if self.checkpointer is not None:
             if self.last is not None and self.last.step % self.cfg.train.checkpoint_every:
-                self.save(step)
+                self.save(step, final=True)
             path = self.checkpointer.wait()
         if self.last is None:
             return {"checkpoint": str(path) if path else None}
-        params = torch.cat([p.detach().flatten().double().cpu() for p in self.drafter.parameters()])
+        # Summed on the device: a host copy in float64 (13.6 GB at the reference, twice over while
+        # concatenated) got the rank OOM-killed after its final save in the GPU rehearsal.
+        param_sum = torch.stack(
+            [p.detach().sum(dtype=torch.float64) for p in self.drafter.parameters()]
+        ).sum()
         # The last evaluation's figures (target rank 0 evaluates after the leader's hand-off).
         figures = self.exchange.collect(wait_s=300.0) if self.exchange is not None else {}
         self.last.eval = figures or self.last.eval
@@ -760,7 +773,7 @@ class DrafterSide:
             "loss": self.last.loss,
             "anchor_accept": self.last.anchor_accept,
             "steps": step,
-            "param_sum": float(params.sum()),
+            "param_sum": float(param_sum),
             "checkpoint": str(path) if path else None,
         }
 
