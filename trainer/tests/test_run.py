@@ -119,7 +119,14 @@ def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
 
 def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
     run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=2))
+    said: list[str] = []
+    run.target.progress = said.append  # the service's heartbeat: WATCHDOG=1 and STATUS while the walk moves
     figures = run.evaluate()
+    # One word per verify step, naming the evaluation, the prompt and how far it is.
+    assert len(said) == figures["walk_steps"], said
+    assert said[0].startswith("evaluation at step 0: decode walk prompt 1 of 2: "), said[0]
+    assert said[-1].startswith("evaluation at step 0: decode walk prompt 2 of 2: "), said[-1]
+    assert said[-1].endswith(" of 8 tokens"), said[-1]
     timed = {"walk_tok_s", "walk_s"}
     again = run.evaluate()
     # fixed anchors and prompts: the same blocks and the same walk each time

@@ -83,9 +83,9 @@ class CpuEma:
         self._frozen.release()
 
     def load_state_dict(self, state: dict) -> None:
-        """Checks the names now; copies the values in the worker, like a fold (6.8 GB read from a memory-mapped
-        checkpoint at the reference: seconds a restart need not wait for before its first step). The next
-        update, `weights` and `state_dict` wait for it."""
+        """Checks the names now; copies the values in the worker, like a fold (6.8 GB read from a
+        memory-mapped checkpoint at the reference: seconds a restart need not wait for before its first
+        step). The next update, `weights` and `state_dict` wait for it."""
         self.wait()
         if state["shadow"].keys() != self.shadow.keys():
             raise ValueError("EMA state does not match the drafter's parameters")

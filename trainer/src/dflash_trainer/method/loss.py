@@ -51,10 +51,10 @@ def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
 class _GradInForwardCE(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)) over chunks, with d/dh computed in the forward while each chunk's logits exist.
 
-    The LM head is frozen, so its backward needs only the input gradient, (softmax - onehot) * w @ W; computing
-    it in the forward (the approach of Liger-Kernel's fused linear cross-entropy) spends 4 H*V FLOPs per
-    position where recomputing the chunk under activation checkpointing spent 6, and passes over the
-    [chunk, V] fp32 logits fewer times. The gradient kept for backward is [n, H]; backward only scales it.
+    The LM head is frozen, so its backward needs only the input gradient, (softmax - onehot) * w @ W;
+    computing it in the forward (the approach of Liger-Kernel's fused linear cross-entropy) spends 4 H*V
+    FLOPs per position where recomputing the chunk under activation checkpointing spent 6, and passes over
+    the [chunk, V] fp32 logits fewer times. The gradient kept for backward is [n, H]; backward only scales it.
     """
 
     @staticmethod

@@ -321,9 +321,9 @@ def check_host_memory(ctx: Context) -> str:
     where = "on the GPU" if on_gpu else f"in host memory ({snapshot / GiB:.1f} GiB)"
     if available is not None and available < need:
         raise Failed(
-            f"{available / GiB:.1f} GiB of host RAM available (beside /dev/shm's files), the ranks need about "
-            f"{need / GiB:.1f} GiB: the EMA and its staging ({params * 6 / GiB:.1f} GiB), the checkpoint "
-            f"snapshot {where}, 3 GiB a rank",
+            f"{available / GiB:.1f} GiB of host RAM available (beside /dev/shm's files), the ranks need "
+            f"about {need / GiB:.1f} GiB: the EMA and its staging ({params * 6 / GiB:.1f} GiB), the "
+            f"checkpoint snapshot {where}, 3 GiB a rank",
             "raise the CT memory limit (ct_memory_mb, layer L2), or free /dev/shm of what the run does not "
             "use, or move the drafter to a GPU with room for its snapshot ([topology])",
         )

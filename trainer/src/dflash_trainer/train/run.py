@@ -405,6 +405,8 @@ class EvalContext:
     drafter: nn.Module
     held_out: list[Batch]
     device: torch.device
+    # What a long evaluation is doing, said as it goes (TargetSide.progress: the service's heartbeat).
+    progress: Callable[[str], None] = lambda _text: None
 
 
 EvalHook = Callable[[EvalContext], dict[str, float]]
@@ -424,7 +426,9 @@ def walk_figures(ctx: EvalContext) -> dict[str, float]:
     if not prompts:
         return {}
     model = ctx.target.model
-    settings = WalkSettings(max_new_tokens=t.eval_walk_new_tokens, stop_token_ids=stop_token_ids(model))
+    settings = WalkSettings(
+        max_new_tokens=t.eval_walk_new_tokens, stop_token_ids=stop_token_ids(model), progress=ctx.progress
+    )
     with autocast(ctx.cfg, ctx.device):
         return decode_walk(model, ctx.drafter, prompts, settings).as_dict()
 
@@ -454,6 +458,8 @@ class TargetSide:
         self.evaluates = evaluates and self.cfg.data.held_out > 0
         self.held_out = setup.held_out() if self.evaluates else []
         self.eval_hooks: list[EvalHook] = list(EVAL_HOOKS) if self.evaluates else []
+        # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
+        self.progress: Callable[[str], None] = lambda _text: None
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -470,6 +476,7 @@ class TargetSide:
 
     def evaluate(self, step: int, drafter: nn.Module) -> dict[str, float]:
         ctx = EvalContext(step, self.cfg, self.target, drafter, self.held_out, self.device)
+        ctx.progress = lambda text: self.progress(f"evaluation at step {step}: {text}")
         figures: dict[str, float] = {}
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
@@ -886,10 +893,14 @@ def train(
     hooks: Sequence[Hook] = (),
     stop: threading.Event | None = None,
     on_ready: Callable[[], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """One process: trains until the horizon, or `max_steps` (a stop, not a new horizon), or `stop` is set.
-    Resumes from the newest checkpoint; `on_ready` is called once models, data and checkpoint are loaded."""
+    Resumes from the newest checkpoint; `on_ready` is called once models, data and checkpoint are loaded;
+    `progress` hears what a long evaluation is doing while it runs."""
     run = Run(cfg)
+    if progress is not None:
+        run.target.progress = progress
     run.resume()
     if on_ready is not None:
         on_ready()
