@@ -306,7 +306,7 @@ def check_devices(ctx: Context) -> str:
 
 
 def check_host_memory(ctx: Context) -> str:
-    """Host RAM for the drafter leader's CPU side: the fp32 EMA, its bf16 pinned staging, and the checkpoint
+    """Host RAM for the drafter leader's CPU side: the fp32 EMA, its pinned staging, and the checkpoint
     snapshot (fp32 weights and AdamW moments) when the GPU has no room to hold it. A rank killed by the OOM
     killer in host RAM (the GPU rehearsal's run 2: 51 GB of target in /dev/shm beside it) says nothing
     useful; this says it before anything loads. MemAvailable already leaves out /dev/shm's files."""
@@ -315,14 +315,15 @@ def check_host_memory(ctx: Context) -> str:
     params = drafter_param_count(ctx.need_cfg())
     snapshot = params * 12
     on_gpu = ctx.facts.get("gpu_room", 0) >= snapshot + 4 * GiB
-    # 3 GiB a rank: the CUDA context, torch's libraries, the data loader.
-    need = params * 6 + ctx.nproc * 3 * GiB + (0 if on_gpu else snapshot)
+    # The fp32 EMA and its pinned staging buffers (the weights' dtype: fp32 master weights), 8 bytes a
+    # parameter; 3 GiB a rank: the CUDA context, torch's libraries, the data loader.
+    need = params * 8 + ctx.nproc * 3 * GiB + (0 if on_gpu else snapshot)
     available = _mem_available()
     where = "on the GPU" if on_gpu else f"in host memory ({snapshot / GiB:.1f} GiB)"
     if available is not None and available < need:
         raise Failed(
             f"{available / GiB:.1f} GiB of host RAM available (beside /dev/shm's files), the ranks need "
-            f"about {need / GiB:.1f} GiB: the EMA and its staging ({params * 6 / GiB:.1f} GiB), the "
+            f"about {need / GiB:.1f} GiB: the EMA and its staging ({params * 8 / GiB:.1f} GiB), the "
             f"checkpoint snapshot {where}, 3 GiB a rank",
             "raise the CT memory limit (ct_memory_mb, layer L2), or free /dev/shm of what the run does not "
             "use, or move the drafter to a GPU with room for its snapshot ([topology])",
