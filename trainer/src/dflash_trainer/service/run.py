@@ -236,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier.status("loading target, drafter, data and the newest checkpoint")
     from dflash_trainer.checkpoint import CheckpointError
 
+    if rank() == speaker:  # where a start's seconds go (the warm restart's goal: its first step in < 30 s)
+        log.info("loading: %.1f s after the process started (interpreter, imports, configuration, trackers)",
+                 time.time() - hooks.started)  # fmt: skip
+
     code = 0
     try:
         if pipeline:
