@@ -125,6 +125,31 @@ class Control:
     stop: threading.Event  # set on SIGTERM: the ranks agree on a stop step (stopping.py), save, return 0
     on_ready: Callable[[], None]  # every rank, once all ranks have loaded (and resumed)
     on_step: Callable[[Any], None] | None  # the drafter leader, after each step, with its StepMetrics
+    # Several nodes: a node's speaker other than the leader hears each step the leader finished (its unit's
+    # WATCHDOG=1 then stops with the leader's, wherever the job hangs).
+    on_progress: Callable[[int], None] | None = None
+
+
+def nodes() -> int:
+    """Nodes of the job (torch elastic's GROUP_WORLD_SIZE; 1 under the one-host launcher)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+
+
+PROGRESS = "progress/step"
+
+
+def _relay(store: Any, on_progress: Callable[[int], None], stop: threading.Event, every: float) -> None:
+    """A node speaker's thread: the leader's last finished step, from the job store, passed on as it moves."""
+    last = None
+    while not stop.wait(every):
+        try:
+            if store.check([PROGRESS]):
+                step = int(store.get(PROGRESS))
+                if step != last:
+                    last = step
+                    on_progress(step)
+        except Exception:  # the store is gone: the peer monitor ends this rank
+            return
 
 
 class _Observed:
@@ -286,7 +311,10 @@ def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None
     device, backend = _device(opts.cpu)
     topo = _topology(cfg, opts, world)
     role = topo.role(rank)
-    me = Identity(rank, role.value, str(device), socket.gethostname())
+    host = socket.gethostname()
+    if nodes() > 1:
+        host += f" node {os.environ.get('GROUP_RANK', '?')}"
+    me = Identity(rank, role.value, str(device), host)
     if control is None:
         _setup_logging(me)
     else:  # the service's journal format; the line prefix (and the rank's summary) take the role now
@@ -353,11 +381,27 @@ def _run_role(
         raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
     dist.barrier(group=groups["gloo"])  # everyone loaded: the running timeout applies from here
     work, stopper = built.work, None
+    relay_stop = threading.Event()
     if control is not None:
         control.on_ready()
         stopper = stopper_box[0] = StopSignal(monitor.job_store(), control.stop)
         if control.on_step is not None and rank == topo.drafter_ranks[0]:
-            work = _Observed(work, control.on_step, topo.num_drafters)
+            on_step = control.on_step
+            if nodes() > 1:  # the other nodes' speakers relay the leader's progress to their units
+                progress = monitor.job_store()
+
+                def on_step(m: Any, inner: Callable[[Any], None] = control.on_step) -> None:
+                    inner(m)
+                    progress.set(PROGRESS, str(m.step))
+
+            work = _Observed(work, on_step, topo.num_drafters)
+        elif control.on_progress is not None:
+            threading.Thread(
+                target=_relay,
+                args=(monitor.job_store(), control.on_progress, relay_stop, opts.heartbeat_s),
+                name="progress-relay",
+                daemon=True,
+            ).start()
     meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=opts.warmup_items)
     span = RunSpan(built.start, built.stop, opts.depth, opts.log_every)
     fault = fault_from_env()
@@ -385,6 +429,7 @@ def _run_role(
         extra = run_drafter(
             rank, topo, work, built.wire, groups["pipe"], span, meter, device, fault, say, stopper
         )
+    relay_stop.set()
     summary = meter.summary(**extra)
     gathered: list[Any] | None = [None] * topo.world_size if rank == 0 else None
     dist.gather_object(summary, gathered, dst=0, group=groups["gloo"])

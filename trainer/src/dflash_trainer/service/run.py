@@ -103,6 +103,15 @@ class ServiceHooks:
             while not self.stop.wait(max(0.2, (self.notifier.watchdog_s or 2.0) / 4)):
                 self.notifier.watchdog(force=True)
 
+    def relay(self, step: int) -> None:
+        """Several nodes, a node speaker other than the leader: the leader finished `step`; this unit's
+        watchdog and status follow it (a hang anywhere in the job stops every node's pings)."""
+        if not self.ready:
+            return
+        self.notifier.watchdog()
+        if step % self.cfg.service.status_every == 0:
+            self.notifier.status(f"step {step} (the job's leader reports loss and tokens/s)")
+
     def summary(self) -> dict:
         if self.cfg.train.device != "cpu":
             try:
@@ -165,6 +174,27 @@ def leader_rank(cfg, world: int) -> int:
     return resolve_topology(world, cfg.topology.targets, cfg.topology.drafters).drafter_ranks[0]
 
 
+def node_speaker(speaker: int) -> bool:
+    """Several nodes: the leader speaks for its node's unit; every other node's unit hears from its local
+    rank 0 (READY once the whole job loaded, WATCHDOG while the leader's steps move). One node: the leader."""
+    if rank() == speaker:
+        return True
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+        return False
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # elastic numbers ranks node by node
+    return os.environ.get("LOCAL_RANK") == "0" and rank() // per_node != speaker // per_node
+
+
+def die_with_launcher() -> None:
+    """Under the multi-node launcher (distributed/elastic.py, whose agent's Popen has no hook for it): no
+    rank outlives the launcher, even one stopped or hung."""
+    pid = os.environ.get("DFLASH_LAUNCHER_PID")
+    if pid:
+        from dflash_trainer.service.launch import _die_with_parent
+
+        _die_with_parent(int(pid))
+
+
 def named_ranks(cfg) -> int | None:
     t = cfg.topology
     return t.targets + t.drafters if isinstance(t.targets, int) and isinstance(t.drafters, int) else None
@@ -177,7 +207,8 @@ def serve_pipeline(cfg, hooks: ServiceHooks, stop: threading.Event, *, max_steps
     options = RankOptions(
         resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"
     )
-    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks))
+    relay = hooks.relay if hooks.notifier.enabled and rank() != leader_rank(cfg, world_size()) else None
+    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks, on_progress=relay))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary", type=Path, default=None, help="write DIR/summary-rank<R>.json at exit")
     args = parser.parse_args(argv)
 
+    die_with_launcher()
     setup_logging()
     stop = threading.Event()
     hooks_box: list[ServiceHooks] = []
@@ -225,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     # One rank speaks to systemd: rank 0 of a single-process run; of a pipeline the first drafter, which
     # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
-    notifier = voice[0] = Notifier() if rank() == speaker else Notifier({})
+    notifier = voice[0] = Notifier() if node_speaker(speaker) else Notifier({})
 
     from dflash_trainer.service.trackers import start_trackers
     from dflash_trainer.train.run import train
