@@ -201,3 +201,37 @@ def test_two_nodes_start_stop_kill_resume(tiny_target, tmp_path: Path) -> None:
     assert any(f"resumed from {checkpoints}/step-{step:08d} (step {step})" in n.log for n in nodes)
     assert step_of(checkpoints) == STEPS
     assert all("all 1 rank(s) finished cleanly" in n.log for n in nodes)
+
+
+def test_a_checkpoint_directory_not_shared_by_the_nodes_is_refused(tiny_target, tmp_path: Path) -> None:
+    """Each node with a directory of its own (a CT's local disk): a restart that moved the drafter leader
+    would start afresh beside the checkpoints. Both units fail at start with one line naming the key, the
+    path and the rank and node that cannot see the leader's file."""
+    target = tiny_target("qwen3_5")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    synth_shards(target, shards, num_shards=2, rows=12, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
+    configs = [
+        tiny_run_config(
+            tmp_path / f"{name}.toml",
+            target,
+            shards,
+            train={"max_steps": STEPS, "checkpoint_dir": tmp_path / name / "checkpoints"},
+            topology={"targets": 1, "drafters": 1},
+        )
+        for name in ("a", "b")
+    ]
+    port = free_port()
+    nodes = [Node(tmp_path, "a", configs[0], port, "job2")]
+    time.sleep(0.5)
+    nodes.append(Node(tmp_path, "b", configs[1], port, "job2"))
+    codes = [n.wait(300) for n in nodes]
+    logs = "\n".join(n.log for n in nodes)
+    assert codes == [1, 1], logs
+    assert re.search(
+        r"critical: NotSharedError: train\.checkpoint_dir \S+ is not one directory for the whole job: "
+        r"rank 0 \(target, cpu on \S+ node 0\) cannot see the file "
+        r"rank 1 \(drafter, cpu on \S+ node 1\) wrote",
+        logs,
+    ), logs
+    assert not any(n.messages for n in nodes if any(m.startswith("READY=1") for m in n.messages))

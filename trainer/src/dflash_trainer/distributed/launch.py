@@ -39,7 +39,12 @@ from dflash_trainer.distributed.failure import (
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
 from dflash_trainer.distributed.stopping import StopSignal
-from dflash_trainer.distributed.topology import Role, Topology, resolve_topology
+from dflash_trainer.distributed.topology import (
+    Role,
+    Topology,
+    node_layout,
+    resolve_topology,
+)
 
 if TYPE_CHECKING:
     from dflash_trainer.config import TrainConfig
@@ -238,6 +243,12 @@ def _build_dflash(
         )  # fmt: skip
     wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
 
+    if nodes() > 1 and not opts.bench:  # the leader's checkpoints must reach a leader on any node
+        from dflash_trainer.distributed.shared_dir import check_shared
+
+        key = "train.checkpoint_dir"
+        check_shared(Path(cfg.train.checkpoint_dir), key, rank, leader, groups["gloo"], groups["me"])
+
     # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
     box: list[Any] = [None]
     if opts.resume and not opts.bench and rank == leader:
@@ -353,6 +364,7 @@ def _run_role(
         "pipe": dist.new_group(timeout=running, backend=backend),
         "drafters": dist.new_group(topo.drafter_ranks, timeout=running, backend=backend),
         "store": monitor.job_store,
+        "me": str(me),
     }
     evaluating = cfg is not None and cfg.train.eval_every and not (opts.synthetic or opts.bench)
     if evaluating:  # drafter weights from the leader to target rank 0 at evaluation steps
@@ -361,6 +373,9 @@ def _run_role(
         groups["eval"] = dist.new_group(
             eval_ranks, timeout=timedelta(seconds=opts.startup_timeout_s), backend=backend
         )
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    if nodes() > 1 and rank == 0:
+        log.info("placement over %d nodes: %s", nodes(), "; ".join(node_layout(topo, per_node)))
     log.info(
         "pid %d, local rank %s: %s %d of %d:%d; loading",
         os.getpid(),
