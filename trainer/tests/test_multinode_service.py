@@ -235,3 +235,30 @@ def test_a_checkpoint_directory_not_shared_by_the_nodes_is_refused(tiny_target, 
         logs,
     ), logs
     assert not any(n.messages for n in nodes if any(m.startswith("READY=1") for m in n.messages))
+
+
+def test_a_rank_that_raises_ends_both_nodes_naming_it(tiny_target, tmp_path: Path) -> None:
+    """The drafter on node 1 raises at its step 3: its launcher reports the failure in the job's store, node
+    0's rank stops because of the peer and node 0's launcher names node 1 and the rank."""
+    target = tiny_target("qwen3_5")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    synth_shards(target, shards, num_shards=2, rows=12, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
+    config = tiny_run_config(
+        tmp_path / "train.toml",
+        target,
+        shards,
+        train={"max_steps": STEPS, "checkpoint_dir": tmp_path / "shared"},
+        topology={"targets": 1, "drafters": 1},
+    )
+    os.environ["DFLASH_FAULT"] = "rank=1,step=3,kind=raise"
+    try:
+        nodes = start(tmp_path, config, "job3", "fault")
+    finally:
+        del os.environ["DFLASH_FAULT"]
+    codes = [n.wait(300) for n in nodes]
+    logs = "\n".join(n.log for n in nodes)
+    assert codes == [1, 1], logs
+    assert re.search(r"node 1 rank 1 drafter: critical: RuntimeError: injected failure at step 3", logs), logs
+    node0 = next(n for n in nodes if n.node() == 0)
+    assert re.search(r"node 1 \(\S+, rank 1\) failed: rank 1 exited with status 1", node0.log), node0.log
