@@ -30,13 +30,36 @@ from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 200  # the first stop must come before the horizon, on an idle machine too
+
+
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_node_left_behind():
+    """A failed assertion must not leave launchers (and their ranks, through PDEATHSIG) running."""
+    yield
+    for proc in STARTED:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    STARTED.clear()
 
 
 class Node:
     """One node's launcher with its own notify socket (its CT's systemd), output in a file."""
 
-    def __init__(self, tmp: Path, name: str, config: Path, port: int, run_id: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        config: Path,
+        port: int,
+        run_id: str,
+        local_addr: str | None = None,
+        serve: tuple[str, ...] = (),
+    ) -> None:
         self.log_path = tmp / f"{name}.log"
         self.messages: list[str] = []
         sock_path = str(tmp / f"{name}.notify")
@@ -49,10 +72,12 @@ class Node:
         self._reader.start()
         cmd = [sys.executable, "-m", "dflash_trainer.service", "launch", "--nnodes", "2"]
         cmd += ["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
-        cmd += ["--", "serve", str(config)]
+        cmd += ["--local-addr", local_addr] if local_addr else []
+        cmd += ["--", "serve", str(config), *serve]
         env = os.environ | {"OMP_NUM_THREADS": "1", "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "20000000"}
         self.out = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        STARTED.append(self.proc)
 
     def _read(self) -> None:
         while True:
@@ -81,11 +106,16 @@ class Node:
         return code
 
 
-def start(tmp: Path, config: Path, run_id: str, tag: str) -> list[Node]:
+def start(
+    tmp: Path, config: Path, run_id: str, tag: str, addrs: tuple[str, str] | None = None, **kw: tuple
+) -> list[Node]:
+    """Two nodes a and b; with `addrs` their --local-addr (the rendezvous numbers nodes by address, then pid:
+    without, a before b, usually)."""
     port = free_port()
-    nodes = [Node(tmp, f"{tag}-a", config, port, run_id)]
-    time.sleep(0.5)  # the rendezvous numbers nodes by (address, pid): a before b, usually
-    nodes.append(Node(tmp, f"{tag}-b", config, port, run_id))
+    a, b = addrs or (None, None)
+    nodes = [Node(tmp, f"{tag}-a", config, port, run_id, a, **kw)]
+    time.sleep(0.5)
+    nodes.append(Node(tmp, f"{tag}-b", config, port, run_id, b, **kw))
     return nodes
 
 
@@ -194,11 +224,28 @@ def test_two_nodes_start_stop_kill_resume(tiny_target, tmp_path: Path) -> None:
     assert took < 20, f"{took:.1f} s"
     print(f"node 0 (the store's) killed: node 1 ended {took:.1f} s later")
 
-    # 4. The job runs to its horizon from the same checkpoint; both units end as success.
-    nodes = start(tmp_path, config, "job1", "fourth")
+    # 4. The smoke run's pause on the leader: the other unit's watchdog still hears the leader beat (every
+    # WatchdogSec / 4 while paused); then a stop from the node that is not the leader's stops the job too.
+    pause = step + 2
+    nodes = start(tmp_path, config, "job1", "fourth", serve=("--pause-at", str(pause)))
+    leader = wait_for(nodes, rf"STATUS=step {pause}: paused")
+    other = next(n for n in nodes if n is not leader)
+    wait_for([other], rf"STATUS=step {pause} \(the job's leader")
+    pings = other.messages.count("WATCHDOG=1")
+    time.sleep(12)  # WATCHDOG_USEC is 20 s: the paused leader beats every 5 s
+    assert other.messages.count("WATCHDOG=1") >= pings + 2, other.messages[-10:]
+    other.proc.send_signal(signal.SIGTERM)
+    assert [n.wait(120) for n in nodes] == [0, 0], "\n".join(n.log for n in nodes)
+    assert step_of(checkpoints) == pause, leader.log
+
+    # 5. Nodes numbered by their --local-addr: b first this time, so the drafter (the last rank) runs in a's
+    # launcher, the other one than before; the job resumes and runs to its horizon, both units end as success.
+    nodes = start(tmp_path, config, "job1", "fifth", addrs=("127.0.0.2", "127.0.0.1"))
     codes = [n.wait(300) for n in nodes]
     assert codes == [0, 0], "\n".join(n.log for n in nodes)
-    assert any(f"resumed from {checkpoints}/step-{step:08d} (step {step})" in n.log for n in nodes)
+    assert [n.node() for n in nodes] == [1, 0]
+    assert f"resumed from {checkpoints}/step-{pause:08d} (step {pause})" in nodes[0].log, nodes[0].log
+    assert "node 1 rank 1 drafter" in nodes[0].log
     assert step_of(checkpoints) == STEPS
     assert all("all 1 rank(s) finished cleanly" in n.log for n in nodes)
 

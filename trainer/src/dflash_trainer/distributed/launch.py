@@ -11,10 +11,12 @@ failure is logged as `rank R (role, device on host): cause` and ends the job (se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,7 +40,7 @@ from dflash_trainer.distributed.failure import (
 )
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
-from dflash_trainer.distributed.stopping import StopSignal
+from dflash_trainer.distributed.stopping import REQUESTED, StopSignal
 from dflash_trainer.distributed.topology import (
     Role,
     Topology,
@@ -140,19 +142,53 @@ def nodes() -> int:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
 
 
-PROGRESS = "progress/step"
+PROGRESS = "progress/step"  # the leader's last finished step
+BEATS = "progress/beats"  # +1 with each step, and while the leader waits alive (the smoke run's pause)
+
+
+class Progress:
+    """The drafter leader's side of the relay: what the other nodes' units hear from it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def step(self, step: int) -> None:
+        self.store.set(PROGRESS, str(step))
+        self.store.add(BEATS, 1)
+
+    def beat(self) -> None:
+        self.store.add(BEATS, 1)
+
+
+def _tell_stop_on_signal(store: Any) -> None:
+    """Several nodes: a SIGTERM reaches the job's store even while this rank's main thread waits inside a
+    transfer (a target held by back-pressure behind a paused leader on another node): Python runs the signal
+    handler only when that wait returns, but the signal's byte arrives on the wakeup fd at once, and a thread
+    adds the stop request the leader reads (stopping.py)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
+
+    def run() -> None:
+        while data := os.read(r, 64):
+            if wanted & set(data):
+                with contextlib.suppress(Exception):  # the store gone: the peer monitor ends this rank
+                    store.add(REQUESTED, 1)
+                return
+
+    threading.Thread(target=run, name="stop-teller", daemon=True).start()
 
 
 def _relay(store: Any, on_progress: Callable[[int], None], stop: threading.Event, every: float) -> None:
-    """A node speaker's thread: the leader's last finished step, from the job store, passed on as it moves."""
-    last = None
+    """A node speaker's thread: passes the leader's beats on (its step with each), as they move."""
+    last = 0
     while not stop.wait(every):
         try:
-            if store.check([PROGRESS]):
-                step = int(store.get(PROGRESS))
-                if step != last:
-                    last = step
-                    on_progress(step)
+            beats = store.add(BEATS, 0)
+            if beats != last and store.check([PROGRESS]):
+                last = beats
+                on_progress(int(store.get(PROGRESS)))
         except Exception:  # the store is gone: the peer monitor ends this rank
             return
 
@@ -400,14 +436,19 @@ def _run_role(
     if control is not None:
         control.on_ready()
         stopper = stopper_box[0] = StopSignal(monitor.job_store(), control.stop)
+        if nodes() > 1:
+            _tell_stop_on_signal(monitor.job_store())
         if control.on_step is not None and rank == topo.drafter_ranks[0]:
             on_step = control.on_step
             if nodes() > 1:  # the other nodes' speakers relay the leader's progress to their units
-                progress = monitor.job_store()
+                progress = Progress(monitor.job_store())
+                if hasattr(on_step, "beat"):  # service.run.ServiceHooks: beats while paused too, and a
+                    on_step.beat = progress.beat  # stop asked on another node ends the pause
+                    on_step.stop_asked = stopper.asked
 
                 def on_step(m: Any, inner: Callable[[Any], None] = control.on_step) -> None:
+                    progress.step(m.step)  # first: the hook may pause here (the smoke run)
                     inner(m)
-                    progress.set(PROGRESS, str(m.step))
 
             work = _Observed(work, on_step, topo.num_drafters)
         elif control.on_progress is not None:

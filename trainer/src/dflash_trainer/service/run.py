@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflash_trainer.service.logs import rank, setup_logging
@@ -48,6 +48,10 @@ class ServiceHooks:
         self.busy_s = 0.0
         self.last = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
+        # Several nodes, the drafter leader: tells the other nodes' units it is alive (distributed/launch.py).
+        self.beat: Callable[[], None] | None = None
+        self.stop_asked: Callable[[], bool] | None = None  # a stop asked on any node ends the smoke's pause
+        self._relayed: int | None = None
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -100,17 +104,24 @@ class ServiceHooks:
         if self.pause_at is not None and m.step == self.pause_at:
             self.notifier.status(f"step {m.step}: paused for the smoke run's stop")
             log.info("paused at step %d until stopped (smoke run)", m.step)
-            while not self.stop.wait(max(0.2, (self.notifier.watchdog_s or 2.0) / 4)):
+            every = max(0.2, (self.notifier.watchdog_s or 2.0) / 4)
+            while not self.stop.wait(every if self.stop_asked is None else min(every, 1.0)):
                 self.notifier.watchdog(force=True)
+                if self.beat is not None:
+                    self.beat()
+                if self.stop_asked is not None and self.stop_asked():
+                    break  # the ranks agree on the stop step at the next step start (stopping.py)
 
     def relay(self, step: int) -> None:
-        """Several nodes, a node speaker other than the leader: the leader finished `step`; this unit's
-        watchdog and status follow it (a hang anywhere in the job stops every node's pings)."""
+        """Several nodes, a node speaker other than the leader: the leader beat (finished a step, or waits
+        alive); this unit's watchdog and status follow it (a hang anywhere in the job stops every node's
+        pings)."""
         if not self.ready:
             return
-        self.notifier.watchdog()
-        if step % self.cfg.service.status_every == 0:
+        self.notifier.watchdog(force=True)  # beats arrive at most once per relay interval
+        if step != self._relayed and step % self.cfg.service.status_every == 0:
             self.notifier.status(f"step {step} (the job's leader reports loss and tokens/s)")
+        self._relayed = step
 
     def summary(self) -> dict:
         if self.cfg.train.device != "cpu":
