@@ -12,6 +12,9 @@ unchanged) and:
   Restart=on-failure restarts the job, which resumes from the newest checkpoint;
 - ranks carry PR_SET_PDEATHSIG=SIGKILL: when the launcher is killed (the watchdog's signal, KillMode=mixed
   sends it to the main process alone) no rank outlives it, even a stopped one.
+
+With --rdzv-endpoint (several nodes, `--nnodes K`) the same contracts hold over torch elastic's agent and c10d
+rendezvous: distributed/elastic.py. Without it this one-host path runs, unchanged.
 """
 
 from __future__ import annotations
