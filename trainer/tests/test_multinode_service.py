@@ -215,7 +215,11 @@ def test_two_nodes_start_stop_kill_resume(tiny_target, tmp_path: Path) -> None:
     assert took < 20, f"{took:.1f} s"
     print(f"node 1 killed: node 0 ended {took:.1f} s later")
 
-    # 3. Again from the same (newest complete) checkpoint; this time the node hosting the job's store dies.
+    # 3. Again from the same (newest complete) checkpoint, beside a save that a kill interrupted (the writer's
+    # temporary directory, never renamed): it does not count. This time the node hosting the job's store dies.
+    partial = checkpoints / f".tmp-step-{step + 50:08d}-4242"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"\x80\x02half a pickle")
     nodes = start(tmp_path, config, "job1", "third")
     wait_for(nodes, rf"STATUS=step {step + 1} loss ")
     assert any(f"resumed from {checkpoints}/step-{step:08d} (step {step})" in n.log for n in nodes)
