@@ -90,3 +90,57 @@ def test_the_job_ports_open_from_the_other_ct_only(tmp_path: Path, fakepve) -> N
     second = play(tmp_path, fakepve)
     assert second.returncode == 0, second.stdout + second.stderr
     assert changed(second.stdout) == 0, second.stdout
+
+
+PREFLIGHT = """
+- name: the job's preflight on each CT
+  hosts: training_job
+  connection: local
+  gather_facts: false
+  vars:
+    ansible_python_interpreter: "{{ ansible_playbook_python }}"
+  tasks:
+    - name: preflight
+      ansible.builtin.include_role:
+        name: training_job
+        tasks_from: preflight.yml
+"""
+
+
+def preflight(tmp: Path, job_vars: dict, hosts: dict) -> str:
+    inventory = {
+        "training_cts": {"hosts": {h: {} for h in hosts}},
+        "training_job": {"vars": job_vars, "hosts": hosts},
+    }
+    (tmp / "inv.json").write_text(json.dumps(inventory))
+    (tmp / "preflight.yml").write_text(PREFLIGHT)
+    env = os.environ | {
+        "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg"),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+    }
+    cmd = [str(BIN / "ansible-playbook"), "-i", str(tmp / "inv.json"), str(tmp / "preflight.yml")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode != 0, proc.stdout
+    return " ".join(proc.stdout.split())
+
+
+def test_the_preflight_names_what_is_wrong(tmp_path: Path) -> None:
+    local = {"training_job_socket_ifname": "lo", "training_job_checkpoint_dir": str(tmp_path)}
+    two = {"ct-a": {"training_job_address": "10.30.0.21"}, "ct-b": {"training_job_address": "10.30.0.21"}}
+    out = preflight(tmp_path, local, two)
+    assert "each with its own training_job_address (got ['10.30.0.21', '10.30.0.21'])" in out, out
+
+    two["ct-b"]["training_job_address"] = "10.30.0.22"
+    out = preflight(tmp_path, local | {"training_job_port_range": "29000 29999"}, two)
+    assert 'got 29400 and "29000 29999"' in out, out  # the rendezvous port inside the ranks' range
+
+    out = preflight(tmp_path, local | {"training_job_socket_ifname": "ib7"}, two)
+    assert "training_job_socket_ifname ib7 is not an interface of the CT" in out, out
+
+    out = preflight(tmp_path, local | {"training_job_rdma_devices": ["infiniband/uverbs9"]}, two)
+    assert "/dev/infiniband/uverbs9 (training_job_rdma_devices) is not a character device in the CT" in out, (
+        out
+    )
+
+    out = preflight(tmp_path, local, two)  # a local directory: not the shared storage every node needs
+    assert f"training_job_checkpoint_dir {tmp_path} is on " in out and "not on shared storage" in out, out
