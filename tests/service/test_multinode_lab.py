@@ -32,6 +32,8 @@ def start(ct, unit: str) -> None:
         "WatchdogSec=20",
         "TimeoutStopSec=120",
         "SyslogIdentifier=dflash-train",
+        "Restart=on-failure",
+        "RestartSec=1",
     ]
     cmd = ["systemd-run", "--no-block", f"--unit={unit}", *(f"-p {p}" for p in props)]
     cmd += ["-E PYTHONUNBUFFERED=1", "-E TQDM_DISABLE=1", "-E OMP_NUM_THREADS=1"]
@@ -113,11 +115,26 @@ def test_two_nodes_ready_stop_resume_and_a_node_killed(job):
     ct.wait_for(lambda: any(resumed in ct.journal(cursor, u) for u in UNITS), 60, "the resume line")
     victim = next(u for u in UNITS if node_of(ct, u, cursor) == 1)
     survivor = next(u for u in UNITS if u != victim)
+    restarts = {u: int(ct.show("NRestarts", u)) for u in UNITS}
+    killed = ct.cursor()
     t0 = time.monotonic()
     ct.sh(f"systemctl kill -s SIGKILL --kill-whom=all {victim}")
-    ct.wait_for(lambda: ct.show("ActiveState", survivor) == "failed", 60, f"{survivor} to fail")
+    ct.wait_for(lambda: int(ct.show("NRestarts", survivor)) > restarts[survivor], 60, f"{survivor} to fail")
     took = time.monotonic() - t0
-    log = ct.journal(cursor, survivor)
+    log = ct.journal(killed, survivor)
     assert re.search(r"node 1 \(\S+, rank 1\) lost", log), log
     assert took < 30, f"{took:.1f} s"
     print(f"node 1's unit killed: node 0's unit failed {took:.1f} s later, naming it")
+
+    # Restart=on-failure starts both again; they meet in the rendezvous and the job resumes from the newest
+    # checkpoint by itself. A stop from the leader's unit then ends both as success.
+    newest = job_checkpoints(ct)[-1]
+    assert int(ct.show("NRestarts", victim)) > restarts[victim]
+    for unit in UNITS:
+        ct.wait_for(lambda u=unit: ct.show("ActiveState", u) == "active", START_S, f"{unit} READY again")
+    resumed = f"resumed from {JOB}/checkpoints/step-{newest:08d} (step {newest})"
+    ct.wait_for(lambda: any(resumed in ct.journal(killed, u) for u in UNITS), 60, "the resume after the kill")
+    leader = next(u for u in UNITS if f"{resumed}" in ct.journal(killed, u))
+    ct.sh(f"systemctl stop {leader}", timeout=130)
+    ct.wait_for(lambda: all(ct.show("ActiveState", u) == "inactive" for u in UNITS), 60, "both units to end")
+    print(f"both restarted by systemd, resumed at step {newest}, stopped as success")
