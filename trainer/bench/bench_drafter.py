@@ -82,6 +82,7 @@ class Variant:
     compile: bool
     gradient_checkpointing: bool
     loss_chunk: int
+    loss: str = "fused"  # method.loss: the input gradient in the forward, or each chunk recomputed
 
 
 REFERENCE_FFN = {4096: 12288, 5120: 17408}  # Qwen3-8B-like and Qwen3.6-27B's drafter
@@ -223,7 +224,10 @@ def step_flops(
     linear = 3 * layer_fwd * shape.layers
     attn_needed = 3 * per_pair * visible
     model = linear + 4 * fc_params * b * t + attn_needed + 2 * head_fwd
-    executed = linear + 4 * fc_params * b * t + 3.5 * per_pair * computed + 3 * head_fwd
+    # The LM head's executed cost: logits and the input gradient (fused), plus the logits again in backward
+    # (checkpointed).
+    head_passes = 2 if variant.loss == "fused" else 3
+    executed = linear + 4 * fc_params * b * t + 3.5 * per_pair * computed + head_passes * head_fwd
     if variant.gradient_checkpointing:
         executed += layer_fwd * shape.layers + per_pair * computed
     return {
@@ -300,6 +304,7 @@ def bench_config(
     side = DrafterSide(
         cfg, parts, Horizon(args.warmup + args.steps, "steps"), device=device, save=False, drafter=drafter
     )
+    side.objective = dataclasses.replace(side.objective, loss_impl=variant.loss)
 
     def step() -> Any:
         side.step(0, 0, batch)  # item 0 every time: the same anchors, a steady workload
@@ -428,7 +433,18 @@ def fmt(value: Any, spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], rate_names: list[str]) -> str:
-    head = ["hidden", "layers", "attn", "ckpt", "step ms", "sup tok/s", "ctx tok/s", "TFLOP/s", "peak GiB"]
+    head = [
+        "hidden",
+        "layers",
+        "attn",
+        "ckpt",
+        "loss",
+        "step ms",
+        "sup tok/s",
+        "ctx tok/s",
+        "TFLOP/s",
+        "peak GiB",
+    ]
     head += [f"MFU/{n}" for n in rate_names] + [f"HFU/{n}" for n in rate_names] + [f"6x/{rate_names[0]}"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
@@ -441,6 +457,7 @@ def table(rows: list[dict[str, Any]], rate_names: list[str]) -> str:
             str(r["shape"]["layers"]),
             r["variant"]["attention_impl"],
             "on" if r["variant"]["gradient_checkpointing"] else "off",
+            r["variant"].get("loss", "checkpointed"),
             fmt(1e3 * r["step_s_median"], ".1f"),
             fmt(r["supervised_tokens_per_s"], ",.0f"),
             fmt(r["context_tokens_per_s"], ",.0f"),
@@ -456,8 +473,10 @@ def table(rows: list[dict[str, Any]], rate_names: list[str]) -> str:
 
 def variants(args: argparse.Namespace, device: torch.device) -> list[tuple[int, int, Variant]]:
     compile_ = args.compile if args.compile is not None else device.type == "cuda"
-    base = Variant(args.attention, compile_, args.gradient_checkpointing, args.loss_chunk)
+    base = Variant(args.attention, compile_, args.gradient_checkpointing, args.loss_chunk, args.loss[0])
     runs = [(h, n, base) for h in args.hidden for n in args.layers]
+    # Further loss implementations side by side on the largest shape, in the same run.
+    runs += [(max(args.hidden), max(args.layers), dataclasses.replace(base, loss=x)) for x in args.loss[1:]]
     if args.extras:
         h, n = max(args.hidden), max(args.layers)
         runs.append((h, n, dataclasses.replace(base, gradient_checkpointing=not base.gradient_checkpointing)))
@@ -481,6 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--loss-chunk", type=int, default=2048)
+    losses = "loss implementations: the first for every shape, the others on the largest (side by side)"
+    p.add_argument("--loss", nargs="+", choices=["fused", "checkpointed"], default=["fused"], help=losses)
     extras = "also the largest shape with checkpointing flipped, and dense attention (default: on CUDA)"
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None, help=extras)
     check = "first compare flex with dense (outputs, gradients) on this device (CUDA only)"

@@ -106,3 +106,42 @@ def test_a_write_that_fails_before_the_ema_still_releases_it(tmp_path):
     ema.update(module, 2)
     ema.wait()  # would hang for ever with the hold never released
     assert ema.num_updates == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("room", [True, False], ids=["device-snapshot", "host-snapshot"])
+def test_a_background_save_of_cuda_state_holds_the_saved_step_while_training_changes_it(
+    tmp_path, monkeypatch, caplog, room
+):
+    """Both snapshot paths: on the device (the GPU has room for a second copy) and in pinned host memory.
+    The state on the GPU changes right after `save` returns, as the next optimizer step would; the file holds
+    the values of the saved step, loads on the CPU (memory-mapped) and names the path taken in its log."""
+    import logging
+
+    import dflash_trainer.checkpoint as cp
+
+    monkeypatch.setattr(cp, "device_room", lambda device, need, **_: room)
+    module = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(module.parameters(), fused=True)
+    module(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    ema = CpuEma(module, decay=0.5, every=1)
+    state = {"model": module.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    expected = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    moments = opt.state_dict()["state"][0]["exp_avg"].detach().cpu().clone()
+    ckpt = cp.AsyncCheckpointer(tmp_path, keep_last=1)
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.checkpoint"):
+        ckpt.save(1, state, ema.freeze, release=ema.thaw)
+        with torch.no_grad():  # the next step, queued on the training stream behind the snapshot
+            for p in module.parameters():
+                p.add_(1.0)
+            opt.state[module.weight]["exp_avg"].add_(1.0)
+        path = ckpt.wait()
+    on_disk, _ = cp.load_checkpoint(path)
+    for name, tensor in expected.items():
+        assert on_disk["model"][name].device.type == "cpu"
+        torch.testing.assert_close(on_disk["model"][name], tensor)
+    torch.testing.assert_close(on_disk["optimizer"]["state"][0]["exp_avg"], moments)
+    where = "snapshot on the device" if room else "snapshot in host memory"
+    assert any(where in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert len(ckpt.stalls) == 1

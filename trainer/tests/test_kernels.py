@@ -187,6 +187,34 @@ def test_a_gpu_too_small_for_target_and_drafter_is_named(monkeypatch, tmp_path):
         preflight.check_devices(ctx)
 
 
+def test_host_memory_counts_the_checkpoint_snapshot_where_the_gpu_has_no_room_for_it(monkeypatch, tmp_path):
+    """The reference drafter's CPU side (EMA 6.9 GB + fp32 pinned staging 6.9 GB) always; its 20 GB checkpoint
+    snapshot in host RAM only when the GPU cannot hold it (the rank the rehearsal's run 2 lost to the OOM
+    killer had the 51 GB target in /dev/shm beside it)."""
+    from dflash_trainer.config import TargetInfo, load_config, validate
+
+    GiB = 1 << 30
+    cfg = load_config(preflight_config_path(), check_paths=False)
+    validate(cfg, target=TargetInfo(64, 5120, 17408, 248320, 24, 4, 256))
+    ctx = preflight.Context(tmp_path / "x.toml", 1, cfg=cfg)
+    ctx.facts.update(device="cuda", target=object(), gpu_room=40 * GiB)
+    available = {"bytes": 12 * GiB}
+    monkeypatch.setattr(preflight, "_mem_available", lambda: available["bytes"])
+    with pytest.raises(
+        preflight.Failed, match=r"12.0 GiB of host RAM .* about 1\d\.\d GiB.*snapshot on the GPU"
+    ):
+        preflight.check_host_memory(ctx)
+    available["bytes"] = 20 * GiB
+    assert "snapshot on the GPU" in preflight.check_host_memory(ctx)
+    ctx.facts["gpu_room"] = 10 * GiB  # less than the 20 GB snapshot and its margin
+    with pytest.raises(preflight.Failed, match=r"snapshot in host memory \(19\.\d GiB\)") as e:
+        preflight.check_host_memory(ctx)
+    assert "ct_memory_mb" in e.value.fix
+    ctx.facts["device"] = "cpu"
+    with pytest.raises(preflight.Skipped):
+        preflight.check_host_memory(ctx)
+
+
 def preflight_config_path():
     from pathlib import Path
 

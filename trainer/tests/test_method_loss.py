@@ -29,14 +29,15 @@ def _case(seed: int):
     return hidden, head, labels, weight
 
 
+@pytest.mark.parametrize("impl", ["fused", "checkpointed"])
 @pytest.mark.parametrize("chunk", [1, 5, 7, 100])
-def test_chunked_equals_unchunked_value_and_grad(chunk: int) -> None:
+def test_chunked_equals_unchunked_value_and_grad(chunk: int, impl: str) -> None:
     hidden, head, labels, weight = _case(0)
     ce = F.cross_entropy((hidden @ head.t()).flatten(0, 1), labels.flatten(), reduction="none")
     reference = (ce * weight.flatten()).sum() / weight.sum()
     (ref_grad,) = torch.autograd.grad(reference, hidden)
 
-    loss, stats = chunked_block_loss(hidden, head, labels, weight, chunk)
+    loss, stats = chunked_block_loss(hidden, head, labels, weight, chunk, impl=impl)
     (grad,) = torch.autograd.grad(loss, hidden)
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(grad, ref_grad)
@@ -46,15 +47,59 @@ def test_chunked_equals_unchunked_value_and_grad(chunk: int) -> None:
     assert (stats.predictions[weight == 0] == -1).all()
 
 
-def test_ignored_labels_are_never_indexed() -> None:
+@pytest.mark.parametrize("impl", ["fused", "checkpointed"])
+def test_ignored_labels_are_never_indexed(impl: str) -> None:
     hidden, head, labels, weight = _case(1)
     labels = torch.where(weight > 0, labels, -100)
-    loss, _ = chunked_block_loss(hidden, head, labels, weight, 4)
+    loss, _ = chunked_block_loss(hidden, head, labels, weight, 4, impl=impl)
     assert torch.isfinite(loss)
+
+
+def test_an_ignored_label_with_weight_adds_no_loss_and_no_gradient_in_both_impls() -> None:
+    hidden, head, labels, weight = _case(4)
+    labels[0, :6] = -100  # supervised positions whose label is F.cross_entropy's ignore_index
+    got = {}
+    for impl in ("fused", "checkpointed"):
+        loss, _ = chunked_block_loss(hidden, head, labels, weight, 5, impl=impl)
+        (grad,) = torch.autograd.grad(loss, hidden)
+        got[impl] = (loss, grad)
+        assert torch.all(grad[0, :6] == 0)
+    torch.testing.assert_close(got["fused"], got["checkpointed"])
+
+
+def test_fused_matches_checkpointed_under_bf16_autocast() -> None:
+    """The trainer's precision: bf16 matmuls over fp32 logits. The fused loss computes the same gradient in
+    another order (scaled before the bf16 matmul, by the upstream gradient after it): equal up to bf16."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 40, 64, generator=gen, requires_grad=True)
+    head = torch.randn(300, 64, generator=gen) * 0.1
+    labels = torch.randint(0, 300, (2, 40), generator=gen)
+    weight = torch.rand(2, 40, generator=gen)
+    got = {}
+    for impl in ("fused", "checkpointed"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, stats = chunked_block_loss(hidden, head, labels, weight, 16, impl=impl)
+        (grad,) = torch.autograd.grad(loss * 3.0, hidden)  # an upstream gradient other than 1
+        got[impl] = (loss, grad, stats.predictions)
+    torch.testing.assert_close(got["fused"][0], got["checkpointed"][0])
+    torch.testing.assert_close(got["fused"][1], got["checkpointed"][1], rtol=2e-2, atol=1e-4)
+    assert torch.equal(got["fused"][2], got["checkpointed"][2])
+
+
+def test_a_head_that_trains_takes_the_checkpointed_path() -> None:
+    hidden, head, labels, weight = _case(6)
+    head.requires_grad_(True)
+    loss, _ = chunked_block_loss(hidden, head, labels, weight, 4)  # fused asked, the head needs its gradient
+    grad_head, _ = torch.autograd.grad(loss, (head, hidden))
+    assert grad_head.abs().sum() > 0
+    with pytest.raises(ValueError, match="'fused' or 'checkpointed'"):
+        chunked_block_loss(hidden, head, labels, weight, 4, impl="liger")
 
 
 def test_no_supervised_position_gives_zero_with_graph() -> None:
     hidden, head, labels, _ = _case(2)
-    loss, stats = chunked_block_loss(hidden, head, labels, torch.zeros(2, 12), 4)
+    loss, stats = chunked_block_loss(
+        hidden, head, labels, torch.zeros(2, 12), 4
+    )  # both impls: nothing to fuse
     loss.backward()
     assert loss.item() == 0.0 and stats.num_tokens == 0 and hidden.grad is not None

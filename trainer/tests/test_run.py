@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import threading
 from pathlib import Path
 
@@ -118,7 +119,14 @@ def test_ema_follows_the_weights_on_the_cpu(tmp_path, tiny_target, shards):
 
 def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
     run = Run(make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=2))
+    said: list[str] = []
+    run.target.progress = said.append  # the service's heartbeat: WATCHDOG=1 and STATUS while the walk moves
     figures = run.evaluate()
+    # One word per verify step, naming the evaluation, the prompt and how far it is.
+    assert len(said) == figures["walk_steps"], said
+    assert said[0].startswith("evaluation at step 0: decode walk prompt 1 of 2: "), said[0]
+    assert said[-1].startswith("evaluation at step 0: decode walk prompt 2 of 2: "), said[-1]
+    assert said[-1].endswith(" of 8 tokens"), said[-1]
     timed = {"walk_tok_s", "walk_s"}
     again = run.evaluate()
     # fixed anchors and prompts: the same blocks and the same walk each time
@@ -159,13 +167,15 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
 
 def test_save_is_in_the_background_and_finished_when_the_run_returns(tmp_path, tiny_target, shards, caplog):
     caplog.set_level("INFO", logger="dflash_trainer.checkpoint")
-    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=6, checkpoint_every=3)
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=7, checkpoint_every=3)
     result = train(cfg)
-    assert result.checkpoint.name == "step-00000006"
+    assert result.checkpoint.name == "step-00000007"
     assert sorted(p.name for p in result.checkpoint.iterdir()) == ["ema.pt", "state.pt"]
-    lines = [r.getMessage() for r in caplog.records if "stall" in r.getMessage()]
-    assert [line.split(":")[0] for line in lines] == ["checkpoint step-00000003", "checkpoint step-00000006"]
-    assert all(" s, written in " in line for line in lines), lines
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint step-")]
+    assert [line.split(":")[0] for line in lines] == [f"checkpoint step-0000000{i}" for i in (3, 6, 7)]
+    # Periodic saves say how long training waited; the run's last one is not a stall (training is over).
+    assert all(re.search(r": stall \d+\.\d\d s.*; written in ", line) for line in lines[:2]), lines
+    assert lines[2].startswith("checkpoint step-00000007: final; written in "), lines[2]
 
 
 def test_resume_after_background_saves_is_exact(tmp_path, tiny_target, shards, monkeypatch):

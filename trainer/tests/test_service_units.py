@@ -6,7 +6,7 @@ import logging
 import socket
 
 from dflash_trainer.service import trackers
-from dflash_trainer.service.notify import Notifier
+from dflash_trainer.service.notify import Heartbeat, Notifier
 
 
 def test_notify_is_a_no_op_without_a_socket():
@@ -27,6 +27,29 @@ def test_notify_sends_ready_status_and_watchdog(tmp_path):
     assert server.recv(4096) == b"STATUS=step 5 loss 1.0"
     assert n.watchdog(force=True) and server.recv(4096) == b"WATCHDOG=1"
     assert not n.watchdog()  # rate-limited within a tenth of the interval
+    server.close()
+
+
+def test_a_heartbeat_feeds_the_watchdog_as_work_advances_and_says_what_it_does(tmp_path, caplog):
+    path = str(tmp_path / "notify")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    server.settimeout(2)
+    beat = Heartbeat(Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000000"}), every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.service"):
+        beat("evaluation at step 1000: decode walk prompt 3 of 8: 57 of 128 tokens")
+    assert server.recv(4096) == b"WATCHDOG=1"
+    assert server.recv(4096) == b"STATUS=evaluation at step 1000: decode walk prompt 3 of 8: 57 of 128 tokens"
+    assert "decode walk prompt 3 of 8" in caplog.text
+    quiet = Heartbeat(Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000000"}), every_s=3600)
+    quiet("again")  # WATCHDOG=1 each time the work moves; STATUS and the journal at most every every_s
+    assert server.recv(4096) == b"WATCHDOG=1"
+    server.settimeout(0.2)
+    try:
+        extra = server.recv(4096)
+    except TimeoutError:
+        extra = None
+    assert extra is None
     server.close()
 
 

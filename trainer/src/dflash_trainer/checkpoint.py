@@ -7,14 +7,20 @@ complete. Everything is saved as tensors and plain containers so loading uses to
 
 `AsyncCheckpointer` keeps training running while a checkpoint is written (a synchronous save of the reference
 drafter, ~27 GB with AdamW and the EMA, stopped training for 46 s): the training thread only snapshots the
-state into host buffers (pinned, non-blocking copies from the GPU; buffers reused from save to save), and a
-writer thread does the rest. At most one save is in flight: the next one first waits for the previous write.
+state, and a writer thread does the rest. Where the GPU has room for a second copy of the state (20 GB at the
+reference: weights and AdamW moments in fp32), the snapshot is a device-to-device copy (milliseconds) and
+the writer streams it to disk tensor by tensor on a side stream (torch.save copies one storage at a time to
+the host), so no host memory is held for it; otherwise it goes into host buffers (pinned, non-blocking copies,
+reused from save to save). Run 2 of the GPU rehearsal measured the host path at 7-15 s per save (pinning
+20 GB on the first save; a host copy of the EMA, since dropped). At most one save is in flight: the next one
+first waits for the previous write, and says how long it waited.
 A write error (disk full) is raised in the training thread at its next step, as one line naming the
 checkpoint, the directory and the real OSError (torch.save hides it behind "enforce fail ... unexpected pos").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -177,6 +183,44 @@ def load_checkpoint(path: Path, *, ema: bool = True) -> tuple[dict[str, Any], di
 # ---- saving in the background ----
 
 
+def state_bytes(obj: Any) -> int:
+    """Bytes of the CUDA tensors in a nested state (what a device snapshot of it needs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size() if obj.is_cuda else 0
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+def device_room(device: torch.device, need: int, *, margin: int = 4 << 30) -> bool:
+    """True when `need` more bytes fit on `device` beside training's own peak (its high-water mark since the
+    process started, above what it holds now between steps) with `margin` to spare."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    transient = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    return need + transient + margin <= free + cached
+
+
+def device_snapshot(obj: Any) -> Any:
+    """A copy of a nested state whose CUDA tensors are copied on their device (the rest is shared)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if obj.is_cuda else obj
+    if isinstance(obj, dict):
+        return {k: device_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(device_snapshot(v) for v in obj)
+    return obj
+
+
+def _cuda_device(obj: Any) -> torch.device | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device if obj.is_cuda else None
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
+    return next((d for d in map(_cuda_device, values) if d is not None), None)
+
+
 class _HostBuffers:
     """Host copies of a nested state, in buffers kept from one save to the next (same keys, same shapes)."""
 
@@ -214,8 +258,9 @@ class AsyncCheckpointer:
         self._state_buffers, self._ema_buffers = _HostBuffers(), _HostBuffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._stream: Any = None  # the writer's CUDA stream (device snapshots)
         self.last_path: Path | None = None  # the newest checkpoint written completely
-        self.stalls: list[float] = []  # seconds training waited, per save
+        self.stalls: list[float] = []  # seconds training waited, per periodic save
 
     def save(
         self,
@@ -224,15 +269,21 @@ class AsyncCheckpointer:
         ema: Callable[[], dict[str, Any]],
         *,
         release: Callable[[], None] | None = None,
+        final: bool = False,
     ) -> Path:
         """Snapshots `state` and `ema()` (called here, in the training thread) and starts the write.
 
         With `release`, `ema()` hands out a live state that stays unchanged until `release()` (CpuEma's
         freeze and thaw): it is written as it is, not copied, and released once ema.pt is on disk.
+        `final`: the run's last save (its caller waits for it), logged without a stall: training is over.
         """
         start = time.perf_counter()
+        previous = self._thread is not None and self._thread.is_alive()
         self.wait()  # the previous write must be done: its buffers are about to be refilled
-        host_state = self._state_buffers.copy(state, "state")
+        waited = time.perf_counter() - start if previous else 0.0
+        device = _cuda_device(state)
+        on_device = device is not None and device_room(device, state_bytes(state))
+        host_state = device_snapshot(state) if on_device else self._state_buffers.copy(state, "state")
         live = ema()
         try:
             host_ema = live if release is not None else self._ema_buffers.copy(live, "ema")
@@ -241,14 +292,19 @@ class AsyncCheckpointer:
                 release()
             raise
         event = None
-        if self._state_buffers.cuda or self._ema_buffers.cuda:
+        if device is not None or self._ema_buffers.cuda:
             event = torch.cuda.Event()
             event.record()
         stall = time.perf_counter() - start
-        self.stalls.append(stall)
+        if not final:
+            self.stalls.append(stall)
+        how = ("final" if final else f"stall {stall:.2f} s") + (
+            f", {waited:.1f} s of it waiting for the previous write" if waited >= 0.05 else ""
+        )
+        how += ", snapshot on the device" if on_device else ", snapshot in host memory" if device else ""
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, host_state, host_ema, event, stall, release),
+            args=(step, host_state, host_ema, event, device, how, release),
             name="checkpoint",
             daemon=True,
         )
@@ -256,7 +312,14 @@ class AsyncCheckpointer:
         return self.directory / step_name(step)
 
     def _write(
-        self, step: int, state: dict, ema: dict, event: Any, stall: float, release: Callable[[], None] | None
+        self,
+        step: int,
+        state: dict,
+        ema: dict,
+        event: Any,
+        device: torch.device | None,
+        how: str,
+        release: Callable[[], None] | None,
     ) -> None:
         start = time.perf_counter()
         released = False
@@ -269,10 +332,18 @@ class AsyncCheckpointer:
 
         try:
             if event is not None:
-                event.synchronize()  # the non-blocking device-to-host copies have landed
-            path = save_checkpoint(
-                self.directory, step, state, ema, keep_last=self.keep_last, ema_written=release_once
-            )
+                event.synchronize()  # the snapshot's copies (device-to-device or to pinned memory) are done
+                # torch.save copies a device snapshot to the host one storage at a time, on this stream: off
+                # the training stream, so the copies do not queue between training's kernels.
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=device)
+                stream_ctx: Any = torch.cuda.stream(self._stream)
+            else:
+                stream_ctx = contextlib.nullcontext()
+            with stream_ctx:
+                path = save_checkpoint(
+                    self.directory, step, state, ema, keep_last=self.keep_last, ema_written=release_once
+                )
         except BaseException as e:  # handed to the training thread
             self._error = e
             return
@@ -280,11 +351,7 @@ class AsyncCheckpointer:
             release_once()  # a write that failed before ema.pt must not hold the EMA back for ever
         self.last_path = path
         log.info(
-            "checkpoint %s: stall %.2f s, written in %.1f s (%s)",
-            path.name,
-            stall,
-            time.perf_counter() - start,
-            path,
+            "checkpoint %s: %s; written in %.1f s (%s)", path.name, how, time.perf_counter() - start, path
         )
 
     def check(self) -> None:

@@ -20,7 +20,7 @@ cached drafter, and cheap next to the target's verify forward at evaluation leng
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,9 @@ class WalkSettings:
     max_new_tokens: int = 128  # per prompt, as dflash_generate's max_new_tokens
     block_size: int | None = None  # None: the drafter's
     stop_token_ids: tuple[int, ...] = ()  # end a prompt's walk at these (as dflash_generate's stop_token_ids)
+    # Called after every verify step with what the walk is doing (the service keeps systemd's watchdog fed and
+    # the journal informed: on the reference target an evaluation's walk ran 375 s, past WatchdogSec=300).
+    progress: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -190,7 +193,7 @@ def _draft(
 
 @torch.no_grad()
 def walk_prompt(
-    model: nn.Module, drafter: DFlashDrafter, prompt: torch.Tensor, settings: WalkSettings
+    model: nn.Module, drafter: DFlashDrafter, prompt: torch.Tensor, settings: WalkSettings, *, label: str = ""
 ) -> PromptWalk:
     """dflash_generate (greedy) for one prompt Long[T] or Long[1, T]; returns its steps and output."""
     spec = drafter.spec
@@ -238,6 +241,8 @@ def walk_prompt(
         context = torch.cat([context, kept], dim=1)
         start += produced
         lengths.append(produced)
+        if settings.progress is not None:
+            settings.progress(f"decode walk{label}: {start - n_in} of {settings.max_new_tokens} tokens")
     return PromptWalk(lengths, out[:, : min(start + 1, max_length)], rejections, accepted_drafts)
 
 
@@ -282,7 +287,10 @@ def decode_walk(
         t0 = time.perf_counter()
         # Layers compiled in place for training (train.compile) would recompile for every context length.
         with torch.compiler.set_stance("force_eager"):
-            walks = [walk_prompt(model, draft, p, settings) for p in prompts]
+            walks = [
+                walk_prompt(model, draft, p, settings, label=f" prompt {i} of {len(prompts)}")
+                for i, p in enumerate(prompts, 1)
+            ]
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:

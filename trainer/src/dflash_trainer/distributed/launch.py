@@ -272,6 +272,10 @@ def _build_dflash(
     leader = topo.drafter_ranks[0]
     if role is Role.TARGET:
         work: Any = tr.TargetSide(setup, evaluates=index == 0 and not opts.bench)
+        if work.evaluates:  # minutes of decode walk: said as it goes, and systemd's watchdog kept fed
+            from dflash_trainer.service.notify import Heartbeat, Notifier
+
+            work.progress = Heartbeat(Notifier())
     else:
         work = tr.DrafterSide(
             cfg, tr.head_only(setup), hz, device=device, index=index, num_drafters=m,

@@ -42,19 +42,69 @@ def _chunk_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, 
     return (ce * weight).sum(), logits.argmax(dim=-1)
 
 
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives a matmul of `t` here (bf16 under the trainer's autocast), else t's own."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+class _GradInForwardCE(torch.autograd.Function):
+    """sum(w * CE(h @ W^T, y)) over chunks, with d/dh computed in the forward while each chunk's logits exist.
+
+    The LM head is frozen, so its backward needs only the input gradient, (softmax - onehot) * w @ W;
+    computing it in the forward (the approach of Liger-Kernel's fused linear cross-entropy) spends 4 H*V
+    FLOPs per position where recomputing the chunk under activation checkpointing spent 6, and passes over
+    the [chunk, V] fp32 logits fewer times. The gradient kept for backward is [n, H]; backward only scales it.
+    """
+
+    @staticmethod
+    def forward(ctx, h, head, y, w, chunk_size, dtype):  # type: ignore[override]
+        ignored = y < 0  # F.cross_entropy's ignore_index (-100): no loss, no gradient
+        w = torch.where(ignored, 0.0, w)
+        y = torch.where(ignored, 0, y)
+        head_c = head.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        preds = torch.empty_like(y)
+        for start in range(0, h.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            logits = (h[sl].to(dtype) @ head_c.t()).float()
+            preds[sl] = logits.argmax(dim=-1)
+            lse = torch.logsumexp(logits, dim=-1)
+            rows = torch.arange(logits.shape[0], device=h.device)
+            total += ((lse - logits[rows, y[sl]]) * w[sl]).sum()
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            grad[rows, y[sl]] -= 1.0
+            grad.mul_(w[sl, None])
+            grad_h[sl] = (grad.to(dtype) @ head_c).to(h.dtype)
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(preds)
+        return total, preds
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_preds):  # type: ignore[override]
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), None, None, None, None, None
+
+
 def chunked_block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor,
     chunk_size: int,
+    *,
+    impl: str = "fused",
 ) -> tuple[torch.Tensor, LossStats]:
     """sum(weight * CE(hidden @ W^T, labels)) / sum(weight), never holding more than one chunk of logits.
 
-    Only positions with weight > 0 are computed. Each chunk runs under activation checkpointing, so its
-    [chunk, V] logits are recomputed in backward instead of kept: value and gradients equal the unchunked
-    loss, peak memory is one chunk.
+    Only positions with weight > 0 are computed. `impl`: "fused" (the default for a frozen head) computes the
+    input gradient in the forward, chunk by chunk (_GradInForwardCE); "checkpointed" runs each chunk under
+    activation checkpointing and recomputes its [chunk, V] logits in backward (also the path for a head
+    that trains). Both equal the unchunked loss in value and gradients; peak memory is one chunk.
     """
+    if impl not in ("fused", "checkpointed"):
+        raise ValueError(f"loss impl {impl!r}: 'fused' or 'checkpointed'")
     flat_w = weight.reshape(-1)
     idx = flat_w.nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
@@ -62,11 +112,16 @@ def chunked_block_loss(
     w = flat_w.index_select(0, idx).float()
     total = hidden.new_zeros((), dtype=torch.float32) + hidden.sum() * 0.0  # keeps the graph when empty
     preds = []
-    for start in range(0, idx.numel(), chunk_size):
-        sl = slice(start, start + chunk_size)
-        part, pred = checkpoint(_chunk_loss, h[sl], lm_head_weight, y[sl], w[sl], use_reentrant=False)
+    if impl == "fused" and not lm_head_weight.requires_grad and idx.numel():
+        part, pred = _GradInForwardCE.apply(h, lm_head_weight, y, w, chunk_size, _matmul_dtype(h))
         total = total + part
         preds.append(pred)
+    else:
+        for start in range(0, idx.numel(), chunk_size):
+            sl = slice(start, start + chunk_size)
+            part, pred = checkpoint(_chunk_loss, h[sl], lm_head_weight, y[sl], w[sl], use_reentrant=False)
+            total = total + part
+            preds.append(pred)
     weight_sum = w.sum()
     loss = total / weight_sum.clamp(min=math.ulp(1.0))
     predictions = torch.full_like(labels.reshape(-1), -1)

@@ -25,6 +25,7 @@ class ObjectiveConfig:
     max_anchors: int = 512
     gamma: float | None = None  # None: the paper's value for block_size
     loss_chunk_size: int = 2048
+    loss_impl: str = "fused"  # method.loss.chunked_block_loss: "fused" or "checkpointed" (benchmarks compare)
 
     def resolved_gamma(self) -> float:
         return self.gamma if self.gamma is not None else gamma_for_block_size(self.block_size)
@@ -60,7 +61,9 @@ def dflash_loss(
     weight = keep * decay.repeat(anchors.shape[1])[None, :]
 
     hidden = drafter.forward_blocks(target_batch.context, embed_tokens(ids), anchors, valid)
-    loss, stats = chunked_block_loss(hidden, lm_head.weight, labels, weight, cfg.loss_chunk_size)
+    loss, stats = chunked_block_loss(
+        hidden, lm_head.weight, labels, weight, cfg.loss_chunk_size, impl=cfg.loss_impl
+    )
 
     batch, num = anchors.shape
     preds = stats.predictions.view(batch, num, bs)

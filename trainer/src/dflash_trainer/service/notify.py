@@ -8,6 +8,7 @@ $WATCHDOG_PID names the launcher and is deliberately not checked here.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
@@ -81,3 +82,27 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class Heartbeat:
+    """What a long phase between two steps is doing (an evaluation's decode walk: 375 s on the reference
+    target, past the unit's WatchdogSec=300), said as the work advances: WATCHDOG=1 (the phase is alive: it is
+    called only when a piece of work finished), STATUS= and a journal line every `every_s` seconds, and the
+    stack dump re-armed for 80 % of the watchdog interval, so a phase that stops moving is still caught.
+
+    Any rank may hold one (NotifyAccess=all): in a pipeline the evaluating target rank is not the rank that
+    speaks for the steps, and its drafter leader may be waiting on it meanwhile."""
+
+    def __init__(self, notifier: Notifier, *, every_s: float = 10.0) -> None:
+        self.notifier, self.every_s = notifier, every_s
+        self._said = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        self.notifier.watchdog()
+        if self.notifier.watchdog_s:
+            faulthandler.dump_traceback_later(self.notifier.watchdog_s * 0.8, exit=False)
+        now = time.monotonic()
+        if now - self._said >= self.every_s:
+            self._said = now
+            self.notifier.status(text[:200])
+            log.info("%s", text)

@@ -281,10 +281,13 @@ def check_devices(ctx: Context) -> str:
         # One rank runs target and drafter together; in a pipeline a rank holds one of them.
         need = (model + drafter if ctx.nproc == 1 else max(model, drafter)) + (2 * GiB)
         short = []
+        room = []
         for i in range(ctx.nproc):
             free, total = torch.cuda.mem_get_info(i)
+            room.append(free - need)
             if free < need:
                 short.append(f"GPU {i}: {free / GiB:.1f} of {total / GiB:.1f} GiB free")
+        ctx.facts["gpu_room"] = min(room)  # what is left beside a rank (a checkpoint snapshot's place)
         if short:
             raise Failed(
                 f"{'; '.join(short)}; a rank needs about {need / GiB:.1f} GiB",
@@ -302,6 +305,33 @@ def check_devices(ctx: Context) -> str:
         )
     cores = os.cpu_count() or 1
     return f"cpu: {ctx.nproc} ranks on {cores} cores, {(available or 0) / GiB:.1f} GiB RAM available"
+
+
+def check_host_memory(ctx: Context) -> str:
+    """Host RAM for the drafter leader's CPU side: the fp32 EMA, its pinned staging, and the checkpoint
+    snapshot (fp32 weights and AdamW moments) when the GPU has no room to hold it. A rank killed by the OOM
+    killer in host RAM (the GPU rehearsal's run 2: 51 GB of target in /dev/shm beside it) says nothing
+    useful; this says it before anything loads. MemAvailable already leaves out /dev/shm's files."""
+    if ctx.facts.get("device") != "cuda" or "target" not in ctx.facts:
+        raise Skipped("CUDA runs only (on the CPU the devices check counts host memory)")
+    params = drafter_param_count(ctx.need_cfg())
+    snapshot = params * 12
+    on_gpu = ctx.facts.get("gpu_room", 0) >= snapshot + 4 * GiB
+    # The fp32 EMA and its pinned staging buffers (the weights' dtype: fp32 master weights), 8 bytes a
+    # parameter; 3 GiB a rank: the CUDA context, torch's libraries, the data loader.
+    need = params * 8 + ctx.nproc * 3 * GiB + (0 if on_gpu else snapshot)
+    available = _mem_available()
+    where = "on the GPU" if on_gpu else f"in host memory ({snapshot / GiB:.1f} GiB)"
+    if available is not None and available < need:
+        raise Failed(
+            f"{available / GiB:.1f} GiB of host RAM available (beside /dev/shm's files), the ranks need "
+            f"about {need / GiB:.1f} GiB: the EMA and its staging ({params * 8 / GiB:.1f} GiB), the "
+            f"checkpoint snapshot {where}, 3 GiB a rank",
+            "raise the CT memory limit (ct_memory_mb, layer L2), or free /dev/shm of what the run does not "
+            "use, or move the drafter to a GPU with room for its snapshot ([topology])",
+        )
+    have = "unknown" if available is None else f"{available / GiB:.1f} GiB available"
+    return f"about {need / GiB:.1f} GiB needed ({have}); checkpoint snapshot {where}"
 
 
 def _mem_available() -> int | None:
@@ -526,6 +556,7 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("mask", _mask_token_check),
     ("shards", check_shards),
     ("devices", check_devices),
+    ("host-memory", check_host_memory),
     ("disk", check_disk),
     ("shm", check_shm),
     ("memlock", check_memlock),

@@ -75,6 +75,38 @@ class NotifyListener:
         self.path.unlink(missing_ok=True)
 
 
+def meminfo() -> dict[str, float]:
+    """/proc/meminfo's MemTotal, MemAvailable and Shmem (tmpfs: the staged target), in GiB."""
+    found: dict[str, float] = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable", "Shmem"):
+            found[key] = int(rest.split()[0]) / (1 << 20)
+    return found
+
+
+class HostMemory:
+    """Samples host memory twice a second: the lowest MemAvailable of a phase shows how close the ranks came
+    to the OOM killer (run 2 of the rehearsal lost its rank to it, in host RAM, not on the GPU)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.samples.append((time.time(), meminfo()))
+
+    def lowest(self, since: float) -> dict[str, float] | None:
+        window = [m for t, m in self.samples if t >= since and "MemAvailable" in m]
+        return min(window, key=lambda m: m["MemAvailable"]) if window else None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 @dataclass
 class Phase:
     name: str
@@ -86,6 +118,7 @@ class Phase:
     watchdog_pings: int = 0
     wall_s: float = 0.0
     checkpoint_stalls_s: list[float] = field(default_factory=list)
+    host_memory_low_gib: dict[str, float] | None = None  # /proc/meminfo when MemAvailable was lowest
     summaries: list[dict] = field(default_factory=list)
 
 
@@ -129,6 +162,7 @@ def run_phase(
     *,
     pause_at: int | None,
     timeout: float,
+    memory: HostMemory | None = None,
 ) -> Phase:
     phase = Phase(name)
     log_path = out / f"{name}.log"
@@ -163,6 +197,8 @@ def run_phase(
     phase.ready_s = None if ready is None else ready - start
     phase.watchdog_pings = notify.count("WATCHDOG=1", start)
     phase.checkpoint_stalls_s = [float(m.group(1)) for m in STALL.finditer(log_path.read_text())]
+    if memory is not None and (low := memory.lowest(start)):
+        phase.host_memory_low_gib = {k: round(v, 1) for k, v in low.items()}
     for path in sorted((out / name).glob("summary-rank*.json")):
         summary = json.loads(path.read_text())
         phase.summaries.append(summary)
@@ -170,7 +206,8 @@ def run_phase(
             phase.first_step_s = summary["first_step_at"] - start
     say(
         f"{name}: exit {phase.exit_code} after {phase.wall_s:.1f} s; READY after {phase.ready_s} s; "
-        f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings"
+        f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings; "
+        f"host memory at its lowest (GiB): {phase.host_memory_low_gib}"
     )
     return phase
 
@@ -389,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "TORCHINDUCTOR_CACHE_DIR": str(out / "cache" / "inductor"),
     }
     notify = NotifyListener(out / "notify.sock")
+    memory = HostMemory()
     ok = True
     try:
         start = time.time()
@@ -402,9 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         launch = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(smoke_toml)]
         p1 = run_phase("phase1", [*launch, "--pause-at", str(args.stop_at), "--summary", str(out / "phase1")],
-                       env, out, notify, pause_at=args.stop_at, timeout=args.phase_timeout)  # fmt: skip
+                       env, out, notify, pause_at=args.stop_at, timeout=args.phase_timeout,
+                       memory=memory)  # fmt: skip
         p2 = run_phase("phase2", [*launch, "--summary", str(out / "phase2")], env, out, notify,
-                       pause_at=None, timeout=args.phase_timeout)  # fmt: skip
+                       pause_at=None, timeout=args.phase_timeout, memory=memory)  # fmt: skip
         figures["phases"] = [asdict(p1), asdict(p2)]
         ok = p1.exit_code == 0 and p2.exit_code == 0 and p1.ready_s is not None and p2.ready_s is not None
         start = time.time()
@@ -432,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok = ok and bool(figures["fault"].get("ok"))
     finally:
         notify.close()
+        memory.close()
     figures["total_s"] = time.time() - t0
     (out / "rehearsal.json").write_text(json.dumps(figures, indent=1) + "\n")
     report = subprocess.run(

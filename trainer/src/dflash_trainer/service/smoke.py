@@ -78,6 +78,11 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int
     )
     if int(train.get("eval_every", 0)) > steps:
         train["eval_every"] = steps
+    if int(train.get("eval_walk_prompts", 0)) > 0:
+        # One short walk proves the walk and its figure's way to the summary; the reference's 8 x 128 tokens
+        # took 375 s on an H200 with a 27B-shaped target (GPU rehearsal run 3), too long for a smoke run.
+        train["eval_walk_prompts"] = 1
+        train["eval_walk_new_tokens"] = min(int(train.get("eval_walk_new_tokens", 32)), 32)
     trackers = {"tensorboard": str(out / "tensorboard")}
     raw["trackers"] = trackers
     service = raw.setdefault("service", {})

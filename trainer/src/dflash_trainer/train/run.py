@@ -405,6 +405,8 @@ class EvalContext:
     drafter: nn.Module
     held_out: list[Batch]
     device: torch.device
+    # What a long evaluation is doing, said as it goes (TargetSide.progress: the service's heartbeat).
+    progress: Callable[[str], None] = lambda _text: None
 
 
 EvalHook = Callable[[EvalContext], dict[str, float]]
@@ -424,7 +426,9 @@ def walk_figures(ctx: EvalContext) -> dict[str, float]:
     if not prompts:
         return {}
     model = ctx.target.model
-    settings = WalkSettings(max_new_tokens=t.eval_walk_new_tokens, stop_token_ids=stop_token_ids(model))
+    settings = WalkSettings(
+        max_new_tokens=t.eval_walk_new_tokens, stop_token_ids=stop_token_ids(model), progress=ctx.progress
+    )
     with autocast(ctx.cfg, ctx.device):
         return decode_walk(model, ctx.drafter, prompts, settings).as_dict()
 
@@ -454,6 +458,8 @@ class TargetSide:
         self.evaluates = evaluates and self.cfg.data.held_out > 0
         self.held_out = setup.held_out() if self.evaluates else []
         self.eval_hooks: list[EvalHook] = list(EVAL_HOOKS) if self.evaluates else []
+        # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
+        self.progress: Callable[[str], None] = lambda _text: None
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -470,6 +476,7 @@ class TargetSide:
 
     def evaluate(self, step: int, drafter: nn.Module) -> dict[str, float]:
         ctx = EvalContext(step, self.cfg, self.target, drafter, self.held_out, self.device)
+        ctx.progress = lambda text: self.progress(f"evaluation at step {step}: {text}")
         figures: dict[str, float] = {}
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
@@ -597,6 +604,7 @@ class DrafterSide:
         self.num_drafters = num_drafters
         self.embed_tokens, self.lm_head = head.embed_tokens, head.lm_head
         self.spec = drafter.spec if drafter is not None else drafter_spec(cfg, head.config)
+        start = time.perf_counter()
         self.drafter = drafter if drafter is not None else new_drafter(cfg, self.spec, device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             ddp = nn.parallel.DistributedDataParallel(
@@ -626,6 +634,12 @@ class DrafterSide:
             if self.leader
             else None
         )
+        if self.leader:  # where a start's seconds go (the warm restart's goal is its first step in < 30 s)
+            log.info(
+                "drafter: %d layers, %.2fB parameters on %s, with its optimizer and EMA, in %.1f s",
+                cfg.drafter.num_layers, sum(p.numel() for p in params) / 1e9, device,
+                time.perf_counter() - start,
+            )  # fmt: skip
         t = cfg.train
         self.checkpointer = (
             AsyncCheckpointer(t.checkpoint_dir, keep_last=t.keep_last) if save and self.leader else None
@@ -704,17 +718,18 @@ class DrafterSide:
             "config": self.cfg.to_dict(),
         }
 
-    def save(self, next_step: int) -> Path:
+    def save(self, next_step: int, *, final: bool = False) -> Path:
         """Snapshots the state and writes it in the background (leader only)."""
         assert self.checkpointer is not None and self.ema is not None
         ema = self.ema
         # The EMA is written live (frozen, not copied: 6.8 GB of host memory and a CPU copy in the stall).
         return self.checkpointer.save(
-            self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw
+            self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw, final=final
         )
 
     def resume(self, path: Path) -> Position:
         """Loads a checkpoint of any topology (every drafter: the DDP replicas must start equal)."""
+        start = time.perf_counter()
         state, ema_state = load_checkpoint(path, ema=self.ema is not None)
         if "position" not in state:
             raise ValueError(
@@ -730,7 +745,8 @@ class DrafterSide:
         pos = state["position"]
         next_item = -(-pos["rows"] // self.cfg.optim.batch)
         if self.leader:
-            log.info("resumed from %s (step %d)", path, self.step_count)
+            seconds = time.perf_counter() - start
+            log.info("checkpoint loaded in %.1f s; resumed from %s (step %d)", seconds, path, self.step_count)
             if pos["drafters"] != self.num_drafters:
                 log.info(
                     "%s was written by %d drafter rank(s), this run has %d: continuing at item %d",
@@ -747,11 +763,15 @@ class DrafterSide:
         path = None
         if self.checkpointer is not None:
             if self.last is not None and self.last.step % self.cfg.train.checkpoint_every:
-                self.save(step)
+                self.save(step, final=True)
             path = self.checkpointer.wait()
         if self.last is None:
             return {"checkpoint": str(path) if path else None}
-        params = torch.cat([p.detach().flatten().double().cpu() for p in self.drafter.parameters()])
+        # Summed on the device: a host copy in float64 (13.6 GB at the reference, twice over while
+        # concatenated) got the rank OOM-killed after its final save in the GPU rehearsal.
+        param_sum = torch.stack(
+            [p.detach().sum(dtype=torch.float64) for p in self.drafter.parameters()]
+        ).sum()
         # The last evaluation's figures (target rank 0 evaluates after the leader's hand-off).
         figures = self.exchange.collect(wait_s=300.0) if self.exchange is not None else {}
         self.last.eval = figures or self.last.eval
@@ -760,7 +780,7 @@ class DrafterSide:
             "loss": self.last.loss,
             "anchor_accept": self.last.anchor_accept,
             "steps": step,
-            "param_sum": float(params.sum()),
+            "param_sum": float(param_sum),
             "checkpoint": str(path) if path else None,
         }
 
@@ -873,10 +893,14 @@ def train(
     hooks: Sequence[Hook] = (),
     stop: threading.Event | None = None,
     on_ready: Callable[[], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """One process: trains until the horizon, or `max_steps` (a stop, not a new horizon), or `stop` is set.
-    Resumes from the newest checkpoint; `on_ready` is called once models, data and checkpoint are loaded."""
+    Resumes from the newest checkpoint; `on_ready` is called once models, data and checkpoint are loaded;
+    `progress` hears what a long evaluation is doing while it runs."""
     run = Run(cfg)
+    if progress is not None:
+        run.target.progress = progress
     run.resume()
     if on_ready is not None:
         on_ready()

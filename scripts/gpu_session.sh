@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One lent GPU session's work, detached so that it outlives the device tool's 10-minute limit per command:
+#   device run (carry .whl):  bash scripts/gpu_session.sh start [REHEARSE ARGS]   # returns at once
+#   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
+# `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
+# decode walk and the fast target load on CUDA), then scripts/gpu_rehearsal.sh, then the drafter benchmark with
+# the two loss implementations side by side (issue 17). `poll` waits, then copies the
+# session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
+set -u
+export STATE=${STATE:-/var/tmp/dflash-rehearsal}
+LOG=$STATE/session.log
+case ${1:-} in
+start)
+  shift
+  mkdir -p "$STATE"
+  # shellcheck disable=SC2016  # expanded by the detached shell
+  setsid nohup bash -c '
+    source scripts/gpu_env.sh
+    echo "=== GPU tests ($(date -u +%T))"
+    timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests 2>&1 | tail -n 30
+    echo "=== rehearsal ($(date -u +%T))"
+    OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
+    rc=$?
+    echo "=== drafter step, fused against checkpointed loss ($(date -u +%T))"
+    timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
+      --no-check --loss fused checkpointed --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+    echo "session exit $rc ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
+  echo "gpu session: started (pid $!); log $LOG"
+  ;;
+poll)
+  deadline=$(($(date +%s) + ${2:-540}))
+  while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  if [ -n "${OUT:-}" ]; then
+    cp "$LOG" "$OUT"/ 2>/dev/null
+    cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$OUT"/ 2>/dev/null
+  fi
+  free -g | sed 's/^/host memory: /'
+  tail -n 80 "$LOG"
+  grep -q "^session exit" "$LOG" || echo "gpu session: still running"
+  ;;
+*)
+  echo "usage: $0 start [REHEARSE ARGS] | poll [SECONDS]" >&2
+  exit 2
+  ;;
+esac
