@@ -57,10 +57,13 @@ class JobOptions:
     exit_barrier_s: float = 120.0  # a node that finished waits this long for the others
 
 
-def _describe(code: int) -> str:
+def describe_exit(code: int) -> str:
+    """A rank's exit status in words (the launchers' error lines)."""
     if code < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
+            hint = " (the kernel's or systemd's OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
+            return f"killed by {name}{hint}"
     if code == EXIT_PEER:
         return "stopped because a peer failed or vanished (exit 3)"
     return f"exited with status {code}"
@@ -313,7 +316,7 @@ def run_job(opts: JobOptions, command: list[str], launched: float) -> int:
         causes, ours = f"the elastic agent failed: {type(error).__name__}: {error}", False
     else:
         failures = sorted(result.failures.items())
-        causes = "; ".join(f"rank {r} {_describe(f.exitcode)}" for r, f in failures)
+        causes = "; ".join(f"rank {r} {describe_exit(f.exitcode)}" for r, f in failures)
         ours = not all(f.exitcode == EXIT_PEER for _, f in failures)
     if watch is not None:
         if ours:

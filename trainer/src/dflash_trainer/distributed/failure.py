@@ -27,10 +27,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dflash_trainer.distributed.elastic import EXIT_PEER  # a peer failed or vanished; this rank stopped
+
 log = logging.getLogger("dflash_trainer.distributed")
 
 EXIT_FAILED = 1  # this rank failed
-EXIT_PEER = 3  # a peer failed or vanished; this rank stopped because of it
 
 FAKE_OOM = (
     "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 94.97 GiB of which "

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dflash_trainer.distributed.elastic import EXIT_PEER, describe_exit
 from dflash_trainer.service.logs import setup_logging
 
 log = logging.getLogger("dflash_trainer.launch")
@@ -47,14 +48,6 @@ def _die_with_parent(parent: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        hint = " (the kernel's or systemd's OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exited with status {code}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,8 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = {r: p.poll() for r, p in procs.items()}
         bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
         if bad and failed is None:
-            failed = bad[0]
-            log.error("rank %d %s; stopping the other ranks", failed[0], _describe(failed[1]))
+            # A rank that stopped because a peer failed (EXIT_PEER) is the consequence; name the cause. The
+            # peer it lost is normally dead already; give it a moment to be seen.
+            deadline = time.monotonic() + 1.0
+            while all(c == EXIT_PEER for _, c in bad) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                bad = [(r, c) for r, p in procs.items() if (c := p.poll()) not in (None, 0)]
+            failed = next(((r, c) for r, c in bad if c != EXIT_PEER), bad[0])
+            log.error("rank %d %s; stopping the other ranks", failed[0], describe_exit(failed[1]))
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
