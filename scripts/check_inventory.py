@@ -32,7 +32,12 @@ def rank_problems(data: dict) -> list[str]:
     reference = (REPO / "trainer/configs/reference.toml").read_text()
     hostvars = data.get("_meta", {}).get("hostvars", {})
     hosts = data.get("training_cts", {}).get("hosts", [])
-    return [p for h in hosts for p in module.host_problems(h, hostvars.get(h, {}), reference)]
+    job = data.get("training_job", {}).get("hosts", [])  # one multi-node job: each CT holds its share
+    return [
+        p
+        for h in hosts
+        for p in module.host_problems(h, hostvars.get(h, {}), reference, len(job) if h in job else 1)
+    ]
 
 
 VAULT_NAMES = ("vault.yml", "vault.yaml")

@@ -4,7 +4,8 @@
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA), then scripts/gpu_rehearsal.sh, then the drafter benchmark with
-# the two loss implementations side by side (issue 17). `poll` waits, then copies the
+# the two loss implementations side by side, then our step against SpecForge's (issue 17; carry its wheel,
+# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
@@ -24,6 +25,9 @@ start)
     echo "=== drafter step, fused against checkpointed loss ($(date -u +%T))"
     timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
       --no-check --loss fused checkpointed --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+    echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
+    timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
+      tail -n 4
     echo "session exit $rc ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
   echo "gpu session: started (pid $!); log $LOG"
   ;;
@@ -32,7 +36,7 @@ poll)
   while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
   if [ -n "${OUT:-}" ]; then
     cp "$LOG" "$OUT"/ 2>/dev/null
-    cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$OUT"/ 2>/dev/null
+    cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$STATE"/out/specforge.json "$OUT"/ 2>/dev/null
   fi
   free -g | sed 's/^/host memory: /'
   tail -n 80 "$LOG"

@@ -81,4 +81,6 @@ def test_the_inventory_check_refuses_a_mismatch_before_any_host(tmp_path: Path) 
     )
     proc = subprocess.run([*check, str(inv)], capture_output=True, text=True, check=False, env=env)
     assert proc.returncode == 1
-    assert "[topology] 5 targets + 3 drafters = 8 ranks" in proc.stderr and "ct_gpus 2 GPU(s)" in proc.stderr
+    # The example's two CTs form one job (group training_job): each holds half of its 16 ranks.
+    said = "[topology] 8 targets + 8 drafters = 16 ranks (8 on each of 2 CTs)"
+    assert said in proc.stderr and "ct_gpus 2 GPU(s)" in proc.stderr, proc.stderr

@@ -11,6 +11,9 @@ Writes a model of --size-gb (bf16 tensors of --tensor-mb each) into --dir (defau
   fast_load       dflash_trainer.model.fast_load (goal: >= 25 GB/s per device)
   fast_load/reg   fast_load with method="register" (CUDA only, experimental; n/a where the driver refuses)
   N devices       fast_load.load_on_devices onto every --devices at once: aggregate and per device
+  fastsafetensors issue 17's peers on the same file where installed (a device run carries their wheels):
+  runai streamer  fastsafetensors' fastsafe_open (nogds: no GPUDirect Storage in a CT) and the Run:ai
+                  model streamer (to host memory, then to the device, as vLLM uses it)
 Each figure is the best of --repeat runs; fast_load's result is compared byte for byte with load_file's.
 """
 
@@ -99,6 +102,44 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def peer_loaders(path: Path, device: torch.device) -> dict[str, object]:
+    """The field's loaders on the same file: name -> a loader returning {name: tensor on device}, or
+    the reason it is not measured (not installed here)."""
+    peers: dict[str, object] = {}
+    try:
+        import fastsafetensors
+        from fastsafetensors import fastsafe_open
+    except ImportError as e:
+        peers["fastsafetensors"] = f"not installed ({e})"
+    else:
+
+        def fst() -> dict[str, torch.Tensor]:
+            with fastsafe_open(str(path), device=str(device), nogds=True) as f:
+                # fastsafe_open has keys(), not __iter__
+                out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            sync(device)
+            return out
+
+        peers[f"fastsafetensors {getattr(fastsafetensors, '__version__', '?')}"] = fst
+    try:
+        from importlib.metadata import version
+
+        from runai_model_streamer import SafetensorsStreamer
+    except ImportError as e:
+        peers["runai streamer"] = f"not installed ({e})"
+    else:
+
+        def runai() -> dict[str, torch.Tensor]:
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(str(path))
+                out = {k: t.to(device) for k, t in streamer.get_tensors()}
+            sync(device)
+            return out
+
+        peers[f"runai streamer {version('runai-model-streamer')}"] = runai
+    return peers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=8.0)
@@ -170,6 +211,19 @@ def main(argv: list[str] | None = None) -> int:
                 del ours
             except RuntimeError as e:
                 print(f"fast_load/reg       n/a     {str(e).splitlines()[0][:120]}")
+        for label, loader in peer_loaders(path, device).items():
+            if isinstance(loader, str):
+                print(f"{label:<15}     n/a     {loader[:120]}")
+                continue
+            try:
+                loader()  # warm-up, as fast_load had
+                seconds, theirs = best_of(args.repeat, loader)
+            except Exception as e:  # a peer that fails here is a finding, not the end of the benchmark
+                print(f"{label:<15}     failed  {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            equal = same_bytes(theirs, reference)
+            del theirs
+            print(f"{label:<15} {nbytes / seconds / GB:7.2f} GB/s   equal to load_file: {equal}")
         del reference
 
         if args.sweep:

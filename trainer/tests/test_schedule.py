@@ -98,3 +98,15 @@ def test_plan_from_measured_h200_figures_picks_four_four(capsys) -> None:
     assert "set [topology] targets = 4, drafters = 4" in out
     best, _second = (line for line in out.splitlines() if line.strip().startswith(("4:4", "5:3")))
     assert "<- best" in best and best.strip().startswith("4:4")
+
+
+def test_node_layout_packs_drafters_on_the_last_nodes() -> None:
+    """The multi-node placement rule (docs/pipeline.md): targets first, drafters packed on the last nodes."""
+    from dflash_trainer.distributed.topology import Topology, node_layout
+
+    assert node_layout(Topology(8, 8), 8) == ["node 0: targets 0-7", "node 1: drafters 8-15"]
+    assert node_layout(Topology(12, 4), 8) == ["node 0: targets 0-7", "node 1: targets 8-11, drafters 12-15"]
+    assert node_layout(Topology(1, 1), 1) == ["node 0: target 0", "node 1: drafter 1"]
+    assert node_layout(Topology(6, 10), 8) == ["node 0: targets 0-5, drafters 6-7", "node 1: drafters 8-15"]
+    with pytest.raises(ValueError, match="do not fill nodes of 3"):
+        node_layout(Topology(4, 4), 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import socket
 
@@ -51,6 +52,7 @@ def test_a_heartbeat_feeds_the_watchdog_as_work_advances_and_says_what_it_does(t
         extra = None
     assert extra is None
     server.close()
+    faulthandler.cancel_dump_traceback_later()  # the beats armed the stack dump (16 s): not for the test run
 
 
 class Boom:

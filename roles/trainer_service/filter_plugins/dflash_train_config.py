@@ -44,18 +44,32 @@ def ranks(tables: dict[str, dict[str, Any]]) -> int:
     return targets + drafters
 
 
-def rank_problems(tables: dict[str, dict[str, Any]], ct_gpus: Any, nproc: Any = None) -> list[str]:
-    """Every disagreement between [topology], ct_gpus and a trainer_service_nproc left in an inventory."""
+def rank_problems(
+    tables: dict[str, dict[str, Any]], ct_gpus: Any, nproc: Any = None, nnodes: Any = 1
+) -> list[str]:
+    """Every disagreement between [topology], ct_gpus and a trainer_service_nproc left in an inventory; with
+    several nodes (the CTs of training_job) each CT holds [topology]'s ranks / nnodes."""
     try:
         n = ranks(tables)
     except ValueError as e:
         return [str(e)]
+    nodes = int(nnodes or 1)
+    if nodes > 1:
+        topo = tables["topology"]
+        if n % nodes:
+            return [
+                f"[topology] {topo['targets']} targets + {topo['drafters']} drafters = {n} ranks do not "
+                f"split evenly over the {nodes} CTs of training_job: each CT runs the same number of ranks"
+            ]
+        n //= nodes
     topo = tables["topology"]
     device = tables.get("train", {}).get("device", "auto")
     gpus = len(ct_gpus) if isinstance(ct_gpus, list) else None
     unit = f"{nproc} (set)" if nproc is not None else f"{n} (derived)"
     said = (
-        f"[topology] {topo['targets']} targets + {topo['drafters']} drafters = {n} ranks, "
+        f"[topology] {topo['targets']} targets + {topo['drafters']} drafters = {n * nodes} ranks"
+        + (f" ({n} on each of {nodes} CTs)" if nodes > 1 else "")
+        + ", "
         f"trainer_service_nproc {unit}, ct_gpus {gpus if gpus is not None else ct_gpus!r} GPU(s)"
     )
     problems = []
@@ -97,7 +111,7 @@ class FilterModule:
         }
 
 
-def host_problems(host: str, hostvars: dict[str, Any], reference_text: str) -> list[str]:
+def host_problems(host: str, hostvars: dict[str, Any], reference_text: str, nnodes: int = 1) -> list[str]:
     """scripts/check_inventory.py: a training CT's rank count from its inventory variables (not templated:
     [topology] and ct_gpus are plain values; paths and other templated strings are not looked at)."""
     overrides = hostvars.get("trainer_service_config") or {}
@@ -106,4 +120,5 @@ def host_problems(host: str, hostvars: dict[str, Any], reference_text: str) -> l
     except ValueError as e:
         return [f"{host}: {e}"]
     gpus = hostvars.get("ct_gpus", [])
-    return [f"{host}: {p}" for p in rank_problems(tables, gpus, hostvars.get("trainer_service_nproc"))]
+    nproc = hostvars.get("trainer_service_nproc")
+    return [f"{host}: {p}" for p in rank_problems(tables, gpus, nproc, nnodes)]

@@ -27,10 +27,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dflash_trainer.distributed.elastic import EXIT_PEER  # a peer failed or vanished; this rank stopped
+
 log = logging.getLogger("dflash_trainer.distributed")
 
 EXIT_FAILED = 1  # this rank failed
-EXIT_PEER = 3  # a peer failed or vanished; this rank stopped because of it
 
 FAKE_OOM = (
     "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 94.97 GiB of which "
@@ -234,8 +235,22 @@ def handle_failure(
         monitor.done()
         logging.shutdown()
         os._exit(EXIT_PEER)
+    if peer_lost(exc):
+        # A peer vanished (its node killed or rebooted) mid-transfer: the consequence here, not a cause. Its
+        # heartbeat stops; the launchers name the node (distributed/elastic.py, launch.py).
+        log.error("stopping: lost the connection to a peer: %s", str(exc).split(". This is")[0][:300])
+        logging.shutdown()
+        os._exit(EXIT_PEER)
     cause = log_failure(me, exc, device)
     monitor.publish_failure(cause.splitlines()[0])
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """gloo's and the store's words for a peer process that is gone (NCCL's arrive as DistNetworkError)."""
+    return isinstance(exc, dist.DistNetworkError) or any(w in str(exc) for w in PEER_LOST)
 
 
 def install_excepthooks(me: Identity, device: torch.device | str, monitor: PeerMonitor | None) -> None:

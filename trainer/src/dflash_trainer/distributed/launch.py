@@ -11,10 +11,12 @@ failure is logged as `rank R (role, device on host): cause` and ends the job (se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,8 +40,13 @@ from dflash_trainer.distributed.failure import (
 )
 from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
-from dflash_trainer.distributed.stopping import StopSignal
-from dflash_trainer.distributed.topology import Role, Topology, resolve_topology
+from dflash_trainer.distributed.stopping import REQUESTED, StopSignal
+from dflash_trainer.distributed.topology import (
+    Role,
+    Topology,
+    node_layout,
+    resolve_topology,
+)
 
 if TYPE_CHECKING:
     from dflash_trainer.config import TrainConfig
@@ -125,6 +132,65 @@ class Control:
     stop: threading.Event  # set on SIGTERM: the ranks agree on a stop step (stopping.py), save, return 0
     on_ready: Callable[[], None]  # every rank, once all ranks have loaded (and resumed)
     on_step: Callable[[Any], None] | None  # the drafter leader, after each step, with its StepMetrics
+    # Several nodes: a node's speaker other than the leader hears each step the leader finished (its unit's
+    # WATCHDOG=1 then stops with the leader's, wherever the job hangs).
+    on_progress: Callable[[int], None] | None = None
+
+
+def nodes() -> int:
+    """Nodes of the job (torch elastic's GROUP_WORLD_SIZE; 1 under the one-host launcher)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+
+
+PROGRESS = "progress/step"  # the leader's last finished step
+BEATS = "progress/beats"  # +1 with each step, and while the leader waits alive (the smoke run's pause)
+
+
+class Progress:
+    """The drafter leader's side of the relay: what the other nodes' units hear from it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def step(self, step: int) -> None:
+        self.store.set(PROGRESS, str(step))
+        self.store.add(BEATS, 1)
+
+    def beat(self) -> None:
+        self.store.add(BEATS, 1)
+
+
+def _tell_stop_on_signal(store: Any) -> None:
+    """Several nodes: a SIGTERM reaches the job's store even while this rank's main thread waits inside a
+    transfer (a target held by back-pressure behind a paused leader on another node): Python runs the signal
+    handler only when that wait returns, but the signal's byte arrives on the wakeup fd at once, and a thread
+    adds the stop request the leader reads (stopping.py)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
+
+    def run() -> None:
+        while data := os.read(r, 64):
+            if wanted & set(data):
+                with contextlib.suppress(Exception):  # the store gone: the peer monitor ends this rank
+                    store.add(REQUESTED, 1)
+                return
+
+    threading.Thread(target=run, name="stop-teller", daemon=True).start()
+
+
+def _relay(store: Any, on_progress: Callable[[int], None], stop: threading.Event, every: float) -> None:
+    """A node speaker's thread: passes the leader's beats on (its step with each), as they move."""
+    last = 0
+    while not stop.wait(every):
+        try:
+            beats = store.add(BEATS, 0)
+            if beats != last and store.check([PROGRESS]):
+                last = beats
+                on_progress(int(store.get(PROGRESS)))
+        except Exception:  # the store is gone: the peer monitor ends this rank
+            return
 
 
 class _Observed:
@@ -217,6 +283,12 @@ def _build_dflash(
         )  # fmt: skip
     wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
 
+    if nodes() > 1 and not opts.bench:  # the leader's checkpoints must reach a leader on any node
+        from dflash_trainer.distributed.shared_dir import check_shared
+
+        key = "train.checkpoint_dir"
+        check_shared(Path(cfg.train.checkpoint_dir), key, rank, leader, groups["gloo"], groups["me"])
+
     # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
     box: list[Any] = [None]
     if opts.resume and not opts.bench and rank == leader:
@@ -290,7 +362,10 @@ def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None
     device, backend = _device(opts.cpu)
     topo = _topology(cfg, opts, world)
     role = topo.role(rank)
-    me = Identity(rank, role.value, str(device), socket.gethostname())
+    host = socket.gethostname()
+    if nodes() > 1:
+        host += f" node {os.environ.get('GROUP_RANK', '?')}"
+    me = Identity(rank, role.value, str(device), host)
     if control is None:
         _setup_logging(me)
     else:  # the service's journal format; the line prefix (and the rank's summary) take the role now
@@ -329,6 +404,7 @@ def _run_role(
         "pipe": dist.new_group(timeout=running, backend=backend),
         "drafters": dist.new_group(topo.drafter_ranks, timeout=running, backend=backend),
         "store": monitor.job_store,
+        "me": str(me),
     }
     evaluating = cfg is not None and cfg.train.eval_every and not (opts.synthetic or opts.bench)
     if evaluating:  # drafter weights from the leader to target rank 0 at evaluation steps
@@ -337,6 +413,9 @@ def _run_role(
         groups["eval"] = dist.new_group(
             eval_ranks, timeout=timedelta(seconds=opts.startup_timeout_s), backend=backend
         )
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    if nodes() > 1 and rank == 0:
+        log.info("placement over %d nodes: %s", nodes(), "; ".join(node_layout(topo, per_node)))
     log.info(
         "pid %d, local rank %s: %s %d of %d:%d; loading",
         os.getpid(),
@@ -357,11 +436,32 @@ def _run_role(
         raise RuntimeError("ranks disagree on the wire format: " + "; ".join(f"{n}: {w}" for n, w in wires))
     dist.barrier(group=groups["gloo"])  # everyone loaded: the running timeout applies from here
     work, stopper = built.work, None
+    relay_stop = threading.Event()
     if control is not None:
         control.on_ready()
         stopper = stopper_box[0] = StopSignal(monitor.job_store(), control.stop)
+        if nodes() > 1:
+            _tell_stop_on_signal(monitor.job_store())
         if control.on_step is not None and rank == topo.drafter_ranks[0]:
-            work = _Observed(work, control.on_step, topo.num_drafters)
+            on_step = control.on_step
+            if nodes() > 1:  # the other nodes' speakers relay the leader's progress to their units
+                progress = Progress(monitor.job_store())
+                if hasattr(on_step, "beat"):  # service.run.ServiceHooks: beats while paused too, and a
+                    on_step.beat = progress.beat  # stop asked on another node ends the pause
+                    on_step.stop_asked = stopper.asked
+
+                def on_step(m: Any, inner: Callable[[Any], None] = control.on_step) -> None:
+                    progress.step(m.step)  # first: the hook may pause here (the smoke run)
+                    inner(m)
+
+            work = _Observed(work, on_step, topo.num_drafters)
+        elif control.on_progress is not None:
+            threading.Thread(
+                target=_relay,
+                args=(monitor.job_store(), control.on_progress, relay_stop, opts.heartbeat_s),
+                name="progress-relay",
+                daemon=True,
+            ).start()
     meter = RankMeter(rank, role.value, str(device), me.host, warmup_items=opts.warmup_items)
     span = RunSpan(built.start, built.stop, opts.depth, opts.log_every)
     fault = fault_from_env()
@@ -389,6 +489,7 @@ def _run_role(
         extra = run_drafter(
             rank, topo, work, built.wire, groups["pipe"], span, meter, device, fault, say, stopper
         )
+    relay_stop.set()
     summary = meter.summary(**extra)
     gathered: list[Any] | None = [None] * topo.world_size if rank == 0 else None
     dist.gather_object(summary, gathered, dst=0, group=groups["gloo"])

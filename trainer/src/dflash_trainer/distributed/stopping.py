@@ -51,6 +51,11 @@ class StopSignal:
             self.step = int(self.store.get(STEP))
         return self.step
 
+    def asked(self) -> bool:
+        """Whether any rank of the job asked to stop (its own SIGTERM, or one on another node)."""
+        self._tell()
+        return self.store.add(REQUESTED, 0) > 0
+
     def decide(self, step: int, *, alone: bool = False) -> int | None:
         """The drafter leader at the start of `step`: publishes step + 1 when any rank asked to stop, or
         `step` itself when it is the only drafter (no other drafter can be inside step `step`)."""

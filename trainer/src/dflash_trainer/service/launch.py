@@ -12,6 +12,9 @@ unchanged) and:
   Restart=on-failure restarts the job, which resumes from the newest checkpoint;
 - ranks carry PR_SET_PDEATHSIG=SIGKILL: when the launcher is killed (the watchdog's signal, KillMode=mixed
   sends it to the main process alone) no rank outlives it, even a stopped one.
+
+With --rdzv-endpoint (several nodes, `--nnodes K`) the same contracts hold over torch elastic's agent and c10d
+rendezvous: distributed/elastic.py. Without it this one-host path runs, unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dflash_trainer.distributed.elastic import EXIT_PEER, describe_exit
 from dflash_trainer.service.logs import setup_logging
 
 log = logging.getLogger("dflash_trainer.launch")
@@ -46,28 +50,48 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        hint = " (the kernel's or systemd's OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exited with status {code}"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, default=1)
+    # Several nodes (distributed/elastic.py): torch elastic's agent and c10d rendezvous join the units.
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the job (each runs this launcher)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (the job's first node)")
+    parser.add_argument("--rdzv-id", default="dflash", help="the job's id; the same on every node")
+    parser.add_argument("--local-addr", help="this node's address on the job's network (default: FQDN)")
+    parser.add_argument(
+        "--node-dead-after-s", type=float, default=5.0, help="a node silent this long ends the job"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- serve CONFIG [options]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the rank command after --, e.g. -- serve /etc/dflash/train.toml")
+    if args.nnodes < 1 or args.nproc_per_node < 1:
+        parser.error("--nnodes and --nproc-per-node must be at least 1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the job's first node)")
     setup_logging(role="launcher")
     n = args.nproc_per_node
-    port = _free_port()
     from dflash_trainer.service.run import process_started
 
     launched = process_started()  # the ranks' "ready" line counts from here
+    if args.rdzv_endpoint:  # several nodes (or one node through the same rendezvous)
+        from dflash_trainer.distributed.elastic import JobOptions, run_job
+
+        job = JobOptions(
+            nnodes=args.nnodes,
+            nproc_per_node=n,
+            endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            local_addr=args.local_addr,
+            node_dead_after_s=args.node_dead_after_s,
+        )
+        code = run_job(job, command, launched)
+        # Leave past torch's daemon threads (agent, store clients): an interpreter teardown under them aborts.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    port = _free_port()
     me = os.getpid()
     procs: dict[int, subprocess.Popen] = {}
     stopping = False
@@ -105,8 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = {r: p.poll() for r, p in procs.items()}
         bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
         if bad and failed is None:
-            failed = bad[0]
-            log.error("rank %d %s; stopping the other ranks", failed[0], _describe(failed[1]))
+            # A rank that stopped because a peer failed (EXIT_PEER) is the consequence; name the cause. The
+            # peer it lost is normally dead already; give it a moment to be seen.
+            deadline = time.monotonic() + 1.0
+            while all(c == EXIT_PEER for _, c in bad) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                bad = [(r, c) for r, p in procs.items() if (c := p.poll()) not in (None, 0)]
+            failed = next(((r, c) for r, c in bad if c != EXIT_PEER), bad[0])
+            log.error("rank %d %s; stopping the other ranks", failed[0], describe_exit(failed[1]))
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()

@@ -29,6 +29,8 @@ class RankFormatter(logging.Formatter):
         if record.exc_info:
             message += "\n" + self.formatException(record.exc_info)
         prefix = "launcher: " if self.role == "launcher" else f"rank {rank()} {self.role}: "
+        if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":  # several nodes: every line names its node
+            prefix = f"node {os.environ.get('GROUP_RANK', '?')} {prefix}"
         level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
         lines = [prefix + level + line for line in message.splitlines() or [""]]
         if self.journal:

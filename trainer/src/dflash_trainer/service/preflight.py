@@ -55,6 +55,7 @@ class Context:
     cfg: TrainConfig | None = None
     facts: dict = field(default_factory=dict)
     full: bool = False  # hash the model and the shards against their manifests, not only their sizes
+    nnodes: int = 1  # several nodes (docs/pipeline.md): nproc is this node's share of [topology]'s ranks
 
     def need_cfg(self) -> TrainConfig:
         if self.cfg is None:
@@ -81,7 +82,7 @@ def check_config(ctx: Context) -> str:
     if ctx.nproc is None:  # the unit starts [topology]'s rank count (roles/trainer_service derives it alike)
         t = ctx.cfg.topology
         named = isinstance(t.targets, int) and isinstance(t.drafters, int)
-        ctx.nproc = t.targets + t.drafters if named else 1
+        ctx.nproc = (t.targets + t.drafters) // ctx.nnodes if named else 1
     return f"{ctx.config_path} valid"
 
 
@@ -255,10 +256,11 @@ def check_devices(ctx: Context) -> str:
     topo = cfg.topology
     fixed = [v for v in (topo.targets, topo.drafters) if v != "auto"]
     wanted = sum(fixed) if len(fixed) == 2 else None
-    if wanted is not None and wanted != ctx.nproc:
+    if wanted is not None and wanted != ctx.nproc * ctx.nnodes:
+        nodes = f" on each of {ctx.nnodes} nodes" if ctx.nnodes > 1 else ""
         raise Failed(
             f"topology has {topo.targets} target + {topo.drafters} drafter ranks = {wanted}, "
-            f"the launch starts {ctx.nproc}",
+            f"the launch starts {ctx.nproc}{nodes}",
             "the unit starts [topology]'s targets + drafters ranks: re-run make provision after changing it",
         )
     model = ctx.facts.get("model_bytes", 0)
@@ -565,8 +567,10 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
 ]
 
 
-def run_checks(config_path: Path, *, nproc: int | None = None, full: bool = False) -> list[Check]:
-    ctx = Context(Path(config_path), nproc, full=full)
+def run_checks(
+    config_path: Path, *, nproc: int | None = None, full: bool = False, nnodes: int = 1
+) -> list[Check]:
+    ctx = Context(Path(config_path), nproc, full=full, nnodes=nnodes)
     results = []
     for name, fn in CHECKS:
         start = time.perf_counter()
@@ -600,13 +604,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ranks the launch will start (default $DFLASH_NPROC, else [topology]'s targets + drafters)",
     )
     parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=int(os.environ.get("DFLASH_NNODES") or 1),
+        help="nodes of the job, each starting --nproc ranks (default $DFLASH_NNODES, else 1)",
+    )
+    parser.add_argument(
         "--full",
         action="store_true",
         help="hash the model and the shards (sha256) against their manifests, not only compare sizes",
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    checks = run_checks(args.config, nproc=args.nproc, full=args.full)
+    checks = run_checks(args.config, nproc=args.nproc, full=args.full, nnodes=args.nnodes)
     elapsed = time.perf_counter() - start
     ok = all(c.ok for c in checks)
     if args.json:

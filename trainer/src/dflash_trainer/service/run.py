@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflash_trainer.service.logs import rank, setup_logging
@@ -48,6 +48,10 @@ class ServiceHooks:
         self.busy_s = 0.0
         self.last = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
+        # Several nodes, the drafter leader: tells the other nodes' units it is alive (distributed/launch.py).
+        self.beat: Callable[[], None] | None = None
+        self.stop_asked: Callable[[], bool] | None = None  # a stop asked on any node ends the smoke's pause
+        self._relayed: int | None = None
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -100,8 +104,24 @@ class ServiceHooks:
         if self.pause_at is not None and m.step == self.pause_at:
             self.notifier.status(f"step {m.step}: paused for the smoke run's stop")
             log.info("paused at step %d until stopped (smoke run)", m.step)
-            while not self.stop.wait(max(0.2, (self.notifier.watchdog_s or 2.0) / 4)):
+            every = max(0.2, (self.notifier.watchdog_s or 2.0) / 4)
+            while not self.stop.wait(every if self.stop_asked is None else min(every, 1.0)):
                 self.notifier.watchdog(force=True)
+                if self.beat is not None:
+                    self.beat()
+                if self.stop_asked is not None and self.stop_asked():
+                    break  # the ranks agree on the stop step at the next step start (stopping.py)
+
+    def relay(self, step: int) -> None:
+        """Several nodes, a node speaker other than the leader: the leader beat (finished a step, or waits
+        alive); this unit's watchdog and status follow it (a hang anywhere in the job stops every node's
+        pings)."""
+        if not self.ready:
+            return
+        self.notifier.watchdog(force=True)  # beats arrive at most once per relay interval
+        if step != self._relayed and step % self.cfg.service.status_every == 0:
+            self.notifier.status(f"step {step} (the job's leader reports loss and tokens/s)")
+        self._relayed = step
 
     def summary(self) -> dict:
         if self.cfg.train.device != "cpu":
@@ -165,6 +185,27 @@ def leader_rank(cfg, world: int) -> int:
     return resolve_topology(world, cfg.topology.targets, cfg.topology.drafters).drafter_ranks[0]
 
 
+def node_speaker(speaker: int) -> bool:
+    """Several nodes: the leader speaks for its node's unit; every other node's unit hears from its local
+    rank 0 (READY once the whole job loaded, WATCHDOG while the leader's steps move). One node: the leader."""
+    if rank() == speaker:
+        return True
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+        return False
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # elastic numbers ranks node by node
+    return os.environ.get("LOCAL_RANK") == "0" and rank() // per_node != speaker // per_node
+
+
+def die_with_launcher() -> None:
+    """Under the multi-node launcher (distributed/elastic.py, whose agent's Popen has no hook for it): no
+    rank outlives the launcher, even one stopped or hung."""
+    pid = os.environ.get("DFLASH_LAUNCHER_PID")
+    if pid:
+        from dflash_trainer.service.launch import _die_with_parent
+
+        _die_with_parent(int(pid))
+
+
 def named_ranks(cfg) -> int | None:
     t = cfg.topology
     return t.targets + t.drafters if isinstance(t.targets, int) and isinstance(t.drafters, int) else None
@@ -177,7 +218,8 @@ def serve_pipeline(cfg, hooks: ServiceHooks, stop: threading.Event, *, max_steps
     options = RankOptions(
         resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"
     )
-    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks))
+    relay = hooks.relay if hooks.notifier.enabled and rank() != leader_rank(cfg, world_size()) else None
+    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks, on_progress=relay))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary", type=Path, default=None, help="write DIR/summary-rank<R>.json at exit")
     args = parser.parse_args(argv)
 
+    die_with_launcher()
     setup_logging()
     stop = threading.Event()
     hooks_box: list[ServiceHooks] = []
@@ -225,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     # One rank speaks to systemd: rank 0 of a single-process run; of a pipeline the first drafter, which
     # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
-    notifier = voice[0] = Notifier() if rank() == speaker else Notifier({})
+    notifier = voice[0] = Notifier() if node_speaker(speaker) else Notifier({})
 
     from dflash_trainer.service.trackers import start_trackers
     from dflash_trainer.train.run import train
@@ -235,6 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     hooks_box.append(hooks)
     notifier.status("loading target, drafter, data and the newest checkpoint")
     from dflash_trainer.checkpoint import CheckpointError
+
+    if rank() == speaker:  # where a start's seconds go (the warm restart's goal: its first step in < 30 s)
+        log.info("loading: %.1f s after the process started (interpreter, imports, configuration, trackers)",
+                 time.time() - hooks.started)  # fmt: skip
 
     code = 0
     try:
