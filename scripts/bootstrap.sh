@@ -68,33 +68,43 @@ new_venv() {
   pip_q "$1" install --require-hashes --requirement="$PIP_LOCK" || die "could not install $PIP_LOCK into $1"
 }
 
-if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"; then
-  new_venv "$VENV"
-  beat "pip install $TOOLS_LOCK" pip_q "$VENV" install --require-hashes --requirement="$TOOLS_LOCK" \
-    || die "pip could not install $TOOLS_LOCK into $VENV"
-  "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
-  # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
-  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  for f in /usr/lib/python3/dist-packages/lxc /usr/lib/python3/dist-packages/_lxc.cpython-311-x86_64-linux-gnu.so; do
-    [ -e "$f" ] || die "python3-lxc is installed but $f is missing"
-    ln -sfn "$f" "$site/$(basename "$f")"
-  done
-  "$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
-  stamp_venv "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"
-  echo "bootstrap: $VENV ready"
-fi
+build_tools_venv() {  # the operator's tooling: ansible, molecule, testinfra, awscli
+  if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"; then
+    new_venv "$VENV"
+    beat "pip install $TOOLS_LOCK" pip_q "$VENV" install --require-hashes --requirement="$TOOLS_LOCK" \
+      || die "pip could not install $TOOLS_LOCK into $VENV"
+    "$VENV/bin/python" -m pip check >/dev/null || die "$VENV does not satisfy $TOOLS_LOCK: run '$VENV/bin/pip check'"
+    # community.general.lxc imports Debian's python3-lxc binding; make exactly that package visible to the venv.
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    for f in /usr/lib/python3/dist-packages/lxc /usr/lib/python3/dist-packages/_lxc.cpython-311-x86_64-linux-gnu.so; do
+      [ -e "$f" ] || die "python3-lxc is installed but $f is missing"
+      ln -sfn "$f" "$site/$(basename "$f")"
+    done
+    "$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
+    stamp_venv "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"
+    echo "bootstrap: $VENV ready"
+  fi
+}
 
 trainer_inputs=("$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK" "$ROOT/trainer/pyproject.toml")
-if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
-  new_venv "$TRAINER_VENV"
-  # torch==2.13.0: the CPU wheel of pip's find-links, the one build whose hash the cpu lock carries.
-  beat "pip install $TRAINER_LOCK" pip_q "$TRAINER_VENV" install --require-hashes \
-    --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
-    || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
-  pip_q "$TRAINER_VENV" install --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
-    || die "pip could not install $NODEPS_LOCK"
-  # The trainer itself from this tree: an editable install has no file to hash.
-  pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
-  stamp_venv "$TRAINER_VENV" "${trainer_inputs[@]}"
-  echo "bootstrap: $TRAINER_VENV ready"
-fi
+build_trainer_venv() {  # exactly what CT 200 runs, plus the test clients
+  if ! venv_current "$TRAINER_VENV" "${trainer_inputs[@]}"; then
+    new_venv "$TRAINER_VENV"
+    # torch==2.13.0: the CPU wheel of pip's find-links, the one build whose hash the cpu lock carries.
+    beat "pip install $TRAINER_LOCK" pip_q "$TRAINER_VENV" install --require-hashes \
+      --requirement="$TRAINER_LOCK" --requirement="$TRAINER_TEST_LOCK" \
+      || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
+    pip_q "$TRAINER_VENV" install --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
+      || die "pip could not install $NODEPS_LOCK"
+    # The trainer itself from this tree: an editable install has no file to hash.
+    pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
+    stamp_venv "$TRAINER_VENV" "${trainer_inputs[@]}"
+    echo "bootstrap: $TRAINER_VENV ready"
+  fi
+}
+
+# The two venvs are independent: built side by side (on a fresh machine each pip install takes about a minute).
+build_tools_venv & tools_pid=$!
+build_trainer_venv & trainer_pid=$!
+wait "$tools_pid" || die "building $VENV failed (the lines above say why)"
+wait "$trainer_pid" || die "building $TRAINER_VENV failed (the lines above say why)"
