@@ -28,7 +28,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,15 +183,18 @@ def load_checkpoint(path: Path, *, ema: bool = True) -> tuple[dict[str, Any], di
 # ---- saving in the background ----
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a nested state (dicts, lists, tuples), depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict | list | tuple):
+        for value in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(value)
+
+
 def state_bytes(obj: Any) -> int:
     """Bytes of the CUDA tensors in a nested state (what a device snapshot of it needs)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size() if obj.is_cuda else 0
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(obj) if t.is_cuda)
 
 
 def device_room(device: torch.device, need: int, *, margin: int = 4 << 30) -> bool:
@@ -215,10 +218,7 @@ def device_snapshot(obj: Any) -> Any:
 
 
 def _cuda_device(obj: Any) -> torch.device | None:
-    if isinstance(obj, torch.Tensor):
-        return obj.device if obj.is_cuda else None
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
-    return next((d for d in map(_cuda_device, values) if d is not None), None)
+    return next((t.device for t in _tensors(obj) if t.is_cuda), None)
 
 
 class _HostBuffers:

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dflash_trainer.distributed.elastic import EXIT_PEER, describe_exit
+from dflash_trainer.distributed.elastic import EXIT_PEER, JobOptions, describe_exit, run_job
 from dflash_trainer.service.logs import setup_logging
 
 log = logging.getLogger("dflash_trainer.launch")
@@ -76,8 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     launched = process_started()  # the ranks' "ready" line counts from here
     if args.rdzv_endpoint:  # several nodes (or one node through the same rendezvous)
-        from dflash_trainer.distributed.elastic import JobOptions, run_job
-
         job = JobOptions(
             nnodes=args.nnodes,
             nproc_per_node=n,

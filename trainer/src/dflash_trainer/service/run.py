@@ -80,10 +80,7 @@ class ServiceHooks:
         self.last = m
         if m.eval:
             self.last_eval = (m.step, dict(m.eval))
-        self.notifier.watchdog()
-        if self.notifier.watchdog_s:
-            # A hung step dumps every thread's stack into the journal just before systemd's watchdog fires.
-            faulthandler.dump_traceback_later(self.notifier.watchdog_s * 0.8, exit=False)
+        self.notifier.alive()  # a hung step dumps every thread's stack before systemd's watchdog fires
         every = self.cfg.service.status_every
         if m.step % every == 0 or m.step == self.first_step:
             status = f"step {m.step} loss {m.loss:.4f} {m.tokens_per_s:.0f} tok/s lr {m.lr:.2e}"

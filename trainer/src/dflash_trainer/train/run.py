@@ -475,8 +475,10 @@ class TargetSide:
         return TargetBatch(out.input_ids, out.loss_mask, out.context.to(self.setup.dtype))
 
     def evaluate(self, step: int, drafter: nn.Module) -> dict[str, float]:
-        ctx = EvalContext(step, self.cfg, self.target, drafter, self.held_out, self.device)
-        ctx.progress = lambda text: self.progress(f"evaluation at step {step}: {text}")
+        ctx = EvalContext(
+            step, self.cfg, self.target, drafter, self.held_out, self.device,
+            progress=lambda text: self.progress(f"evaluation at step {step}: {text}"),
+        )  # fmt: skip
         figures: dict[str, float] = {}
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
