@@ -145,3 +145,22 @@ def test_a_background_save_of_cuda_state_holds_the_saved_step_while_training_cha
     where = "snapshot on the device" if room else "snapshot in host memory"
     assert any(where in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert len(ckpt.stalls) == 1
+
+
+def test_the_average_starts_at_begin_and_a_loaded_average_is_not_overwritten():
+    """The trainer calls `begin` before its first optimizer step; after `load_state_dict` (a resume) the
+    weights of the start are never copied, so the loaded average is the one that goes on."""
+    module = nn.Linear(3, 2)
+    ema = CpuEma(module, decay=0.5, every=1)
+    start = module.weight.detach().clone()
+    ema.begin()
+    with torch.no_grad():
+        module.weight.add_(1.0)  # the first optimizer step, after begin
+    ema.update(module, step=1)
+    torch.testing.assert_close(ema.weights()["weight"], 0.5 * start + 0.5 * module.weight.detach())
+
+    resumed = CpuEma(nn.Linear(3, 2), decay=0.5, every=1)
+    resumed.load_state_dict(ema.state_dict())
+    resumed.begin()  # a no-op: the average came from the checkpoint
+    torch.testing.assert_close(resumed.weights()["weight"], ema.weights()["weight"])
+    assert resumed.num_updates == 1

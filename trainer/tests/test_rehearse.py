@@ -59,6 +59,13 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     assert phase1["term_to_exit_s"] is not None and phase1["watchdog_pings"] >= 1
     assert phase1["checkpoint_stalls_s"], "each save logs its stall"
     assert {s["first_step"] for s in phase2["summaries"] if s.get("first_step")} == {4}  # resumed at 3
+    # Each rank says where its start's seconds went: the drafter's parts and the checkpoint on a resume.
+    lines = phase2["start_breakdown"]
+    assert len(lines) == 2, lines
+    drafter_start, target_start = sorted(lines, key=lambda line: "held-out rows" in line)
+    for part in ("interpreter, imports, configuration", "drafter", "EMA", "checkpoint", "other"):
+        assert part in drafter_start, phase2["start_breakdown"]
+    assert "target" in target_start and "held-out rows" in target_start, phase2["start_breakdown"]
     assert (out / "export" / "config.json").is_file()
     fault = figures["fault"]
     assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank

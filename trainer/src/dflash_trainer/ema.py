@@ -25,23 +25,40 @@ class CpuEma:
         self.decay = decay
         self.every = every
         self.num_updates = 0
+        self._module = module
         params = dict(module.named_parameters())
-        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
-        self._staging = {
-            name: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-            for name, p in params.items()
-        }
+        self._names = list(params)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
-        self._pending: Future | None = None
         # Held by a checkpoint writer while it serialises the shadow (released from the writer's thread).
         self._frozen = threading.Lock()
-        # The average starts at the weights of now: copied into the staging buffers on the training stream
-        # (the first optimizer step is queued behind the copy), made fp32 in the worker. Allocating and
-        # filling the 6.9 GB shadow in this thread was part of the 9.6 s that the reference drafter, its
-        # optimizer and EMA took of a warm start (rehearsal run 3), and a resume overwrites it anyway.
         self.shadow: dict[str, torch.Tensor] = {}
-        event = self._stage(module)
-        self._pending = self._worker.submit(self._first, event)
+        self._staging: dict[str, torch.Tensor] = {}
+        self._started = False
+        # Pinning 6.9 GB of staging buffers at the reference takes seconds: the worker does it while the start
+        # goes on loading (the checkpoint, the data), and every later task of the worker runs after it.
+        # Rehearsal run 3 counted it, with the first copy, in the 9.6 s of "drafter, optimizer and EMA".
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
+        shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
+        self._pending: Future | None = self._worker.submit(self._allocate, shapes, pin)
+
+    def _allocate(self, shapes: dict[str, tuple[torch.Size, torch.dtype]], pin: bool) -> None:
+        self._staging = {
+            name: torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+            for name, (shape, dtype) in shapes.items()
+        }
+
+    def begin(self) -> None:
+        """Starts the average at the module's weights of now, once; a no-op after `load_state_dict`.
+
+        The trainer calls it before its first optimizer step, so a resume never copies weights that the
+        checkpoint's average replaces. The copy goes into the staging buffers on the training stream (the
+        optimizer step is queued behind it); the worker makes it fp32.
+        """
+        if self._started:
+            return
+        self._started = True
+        self.wait()  # the staging buffers exist
+        self._pending = self._worker.submit(self._first, self._stage(self._module))
 
     def _stage(self, module: nn.Module) -> torch.cuda.Event | None:
         """Copies the weights into the staging buffers without blocking; the event marks their arrival."""
@@ -62,6 +79,7 @@ class CpuEma:
         """Called after each optimizer step; folds the weights in every `every` steps."""
         if step % self.every:
             return
+        self.begin()
         self.wait()
         self._pending = self._worker.submit(self._fold, self._stage(module))
 
@@ -79,6 +97,7 @@ class CpuEma:
             self._pending = None
 
     def state_dict(self) -> dict:
+        self.begin()
         self.wait()
         return {
             "decay": self.decay,
@@ -89,6 +108,7 @@ class CpuEma:
 
     def freeze(self) -> dict:
         """The live state (no copy), unchanged until `thaw`: folds wait. Call from the training thread."""
+        self.begin()
         self.wait()
         self._frozen.acquire()
         return self.state_dict()
@@ -102,18 +122,21 @@ class CpuEma:
         memory-mapped checkpoint at the reference: seconds a restart need not wait for before its first
         step). The next update, `weights` and `state_dict` wait for it."""
         self.wait()
-        if state["shadow"].keys() != self._staging.keys():
+        if state["shadow"].keys() != set(self._names):
             raise ValueError("EMA state does not match the drafter's parameters")
+        self._started = True
 
         def copy() -> None:
             with self._frozen:
-                for name, tensor in state["shadow"].items():
-                    self.shadow[name].copy_(tensor)
+                self.shadow = {
+                    name: tensor.to(torch.float32, copy=True) for name, tensor in state["shadow"].items()
+                }
                 self.num_updates = state["num_updates"]
 
         self._pending = self._worker.submit(copy)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The averaged parameters (fp32, CPU), by parameter name."""
+        self.begin()
         self.wait()
         return self.shadow

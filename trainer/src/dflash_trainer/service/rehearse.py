@@ -119,6 +119,7 @@ class Phase:
     wall_s: float = 0.0
     checkpoint_stalls_s: list[float] = field(default_factory=list)
     host_memory_low_gib: dict[str, float] | None = None  # /proc/meminfo when MemAvailable was lowest
+    start_breakdown: list[str] = field(default_factory=list)  # each speaking rank's "start: ..." line
     summaries: list[dict] = field(default_factory=list)
 
 
@@ -148,8 +149,9 @@ def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
 
 
 ECHO = re.compile(
-    r"ready|resumed|saved|checkpoint|step \d+ |error|critical|warning|traceback|stopp|finished", re.I
+    r"ready|start: |resumed|saved|checkpoint|step \d+ |error|critical|warning|traceback|stopp|finished", re.I
 )
+START = re.compile(r"start: (.*)")
 STALL = re.compile(r"stall(?:ed)?[^0-9]{0,20}([0-9.]+) ?s")
 
 
@@ -196,7 +198,9 @@ def run_phase(
     ready = notify.first("READY=1", start)
     phase.ready_s = None if ready is None else ready - start
     phase.watchdog_pings = notify.count("WATCHDOG=1", start)
-    phase.checkpoint_stalls_s = [float(m.group(1)) for m in STALL.finditer(log_path.read_text())]
+    text = log_path.read_text()
+    phase.checkpoint_stalls_s = [float(m.group(1)) for m in STALL.finditer(text)]
+    phase.start_breakdown = [m.group(1) for m in START.finditer(text)]
     if memory is not None and (low := memory.lowest(start)):
         phase.host_memory_low_gib = {k: round(v, 1) for k, v in low.items()}
     for path in sorted((out / name).glob("summary-rank*.json")):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dflash_trainer import startup
 from dflash_trainer.service.logs import rank, setup_logging
 from dflash_trainer.service.notify import Heartbeat, Notifier
 
@@ -67,6 +68,7 @@ class ServiceHooks:
         if launched:
             since += f", {now - float(launched):.1f} s after the launcher started"
         log.info("ready: target, drafter, data and the newest checkpoint loaded on every rank; %s", since)
+        log.info("start: %s", startup.breakdown(now - self.started))  # where a warm restart's seconds went
 
     def __call__(self, m) -> None:
         if not self.ready:  # the loop has no ready hook: the first finished step proves everything loaded
@@ -270,15 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_trainer.service.trackers import start_trackers
     from dflash_trainer.train.run import train
 
-    trackers = start_trackers(cfg) if rank() == speaker else []
+    startup.record("interpreter, imports, configuration", time.time() - process_started())
+    with startup.phase("trackers"):
+        trackers = start_trackers(cfg) if rank() == speaker else []
     hooks = ServiceHooks(cfg, notifier, stop, trackers, pause_at=args.pause_at)
     hooks_box.append(hooks)
     notifier.status("loading target, drafter, data and the newest checkpoint")
     from dflash_trainer.checkpoint import CheckpointError
-
-    if rank() == speaker:  # where a start's seconds go (the warm restart's goal: its first step in < 30 s)
-        log.info("loading: %.1f s after the process started (interpreter, imports, configuration, trackers)",
-                 time.time() - hooks.started)  # fmt: skip
 
     code = 0
     try:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_trainer import startup
 from dflash_trainer.checkpoint import (
     AsyncCheckpointer,
     latest_checkpoint,
@@ -452,11 +453,14 @@ class TargetSide:
 
     def __init__(self, setup: Setup, *, evaluates: bool) -> None:
         self.setup, self.cfg, self.device = setup, setup.cfg, setup.device
-        self.target = setup.make_target(self.cfg.drafter.target_layer_ids)
-        self.rows = setup.make_rows()
+        with startup.phase("target"):
+            self.target = setup.make_target(self.cfg.drafter.target_layer_ids)
+        with startup.phase("data stream"):
+            self.rows = setup.make_rows()
         # Held-out rows are loaded wherever evaluation may run; train.eval_every says when it does.
         self.evaluates = evaluates and self.cfg.data.held_out > 0
-        self.held_out = setup.held_out() if self.evaluates else []
+        with startup.phase("held-out rows"):
+            self.held_out = setup.held_out() if self.evaluates else []
         self.eval_hooks: list[EvalHook] = list(EVAL_HOOKS) if self.evaluates else []
         # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
         self.progress: Callable[[str], None] = lambda _text: None
@@ -607,7 +611,8 @@ class DrafterSide:
         self.embed_tokens, self.lm_head = head.embed_tokens, head.lm_head
         self.spec = drafter.spec if drafter is not None else drafter_spec(cfg, head.config)
         start = time.perf_counter()
-        self.drafter = drafter if drafter is not None else new_drafter(cfg, self.spec, device)
+        with startup.phase("drafter"):
+            self.drafter = drafter if drafter is not None else new_drafter(cfg, self.spec, device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             ddp = nn.parallel.DistributedDataParallel(
                 _DdpForward(self.drafter),
@@ -618,6 +623,7 @@ class DrafterSide:
             self.drafter.__dict__["forward"] = ddp
         o = cfg.optim
         params = list(self.drafter.parameters())
+        optimizer_start = time.perf_counter()
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -627,15 +633,17 @@ class DrafterSide:
             betas=(o.betas[0], o.betas[1]),
             fused=self.device.type == "cuda",
         )
+        startup.record("optimizer", time.perf_counter() - optimizer_start)
         self.objective = objective_config(cfg)
         self.generator = torch.Generator()  # anchors, drawn on the CPU: the same on any device
         self.step_count = 0
         self.offset = 0  # optimizer step minus pipeline step (see Position.span)
-        self.ema = (
-            CpuEma(self.drafter, decay=cfg.train.ema_decay, every=cfg.train.ema_every)
-            if self.leader
-            else None
-        )
+        with startup.phase("EMA"):
+            self.ema = (
+                CpuEma(self.drafter, decay=cfg.train.ema_decay, every=cfg.train.ema_every)
+                if self.leader
+                else None
+            )
         if self.leader:  # where a start's seconds go (the warm restart's goal is its first step in < 30 s)
             log.info(
                 "drafter: %d layers, %.2fB parameters on %s, with its optimizer and EMA, in %.1f s",
@@ -662,6 +670,8 @@ class DrafterSide:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.generator.manual_seed(anchor_seed(self.cfg.data.seed, item))
+        if self.ema is not None:
+            self.ema.begin()  # the average starts at the weights before the first step (a resume: loaded)
         self.drafter.train()
         with autocast(self.cfg, self.device):
             out = dflash_loss(
@@ -732,7 +742,8 @@ class DrafterSide:
     def resume(self, path: Path) -> Position:
         """Loads a checkpoint of any topology (every drafter: the DDP replicas must start equal)."""
         start = time.perf_counter()
-        state, ema_state = load_checkpoint(path, ema=self.ema is not None)
+        with startup.phase("checkpoint read"):
+            state, ema_state = load_checkpoint(path, ema=self.ema is not None)
         if "position" not in state:
             raise ValueError(
                 f"{path}: a checkpoint of an older trainer (no position); start afresh or export it"
@@ -835,7 +846,8 @@ class Run:
     def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.device = device or resolve_device(cfg)
-        self.setup = setup_from_config(cfg, self.device)
+        with startup.phase("data index"):
+            self.setup = setup_from_config(cfg, self.device)
         self.target = TargetSide(self.setup, evaluates=True)
         self.horizon = horizon(cfg, self.setup.num_rows)
         self.drafter = DrafterSide(
@@ -846,7 +858,8 @@ class Run:
     def resume(self) -> Path | None:
         path = find_resume(self.cfg)
         if path is not None:
-            self.position = self.drafter.resume(path)
+            with startup.phase("checkpoint"):
+                self.position = self.drafter.resume(path)
         return path
 
     def evaluate(self) -> dict[str, float]:
