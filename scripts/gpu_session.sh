@@ -4,7 +4,7 @@
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA), then scripts/gpu_rehearsal.sh, then the drafter benchmark with
-# the two loss implementations side by side, then our step against SpecForge's (issue 17; carry its wheel,
+# a profile of its step, then our step against SpecForge's (issue 17; carry its wheel,
 # specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
@@ -22,9 +22,9 @@ start)
     echo "=== rehearsal ($(date -u +%T))"
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
-    echo "=== drafter step, fused against checkpointed loss ($(date -u +%T))"
-    timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
-      --no-check --loss fused checkpointed --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+    echo "=== drafter step, with a profile of where its device time goes ($(date -u +%T))"
+    timeout 300 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
+      --no-check --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
     echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
     timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
       tail -n 4

@@ -29,6 +29,7 @@ import gc
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -355,7 +356,52 @@ def bench_config(
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         row["mask_build_ms"] = mask_build_ms(shape, spec, impl, device)
+    if args.profile:
+        row["profile"] = profile_steps(step, args.profile, device)
     return row
+
+
+KERNEL_KINDS = (  # the first pattern that matches a kernel's name gives its kind
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|mm_", re.I)),
+    ("attention (flex)", re.compile(r"flex|attention|tem_fused", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copy, cast", re.compile(r"copy|convert|cast|memcpy|memset", re.I)),
+    ("reduction, norm", re.compile(r"reduce|norm|red_fused|per_fused", re.I)),
+    ("elementwise", re.compile(r"elementwise|poi_fused|vectorized|unrolled", re.I)),
+)
+
+
+def profile_steps(step: Callable[[], Any], steps: int, device: torch.device) -> dict[str, Any]:
+    """Where a step's device time goes: `steps` steps under torch.profiler, kernels grouped by kind, the top
+    kernels by time, and the device's idle share (the step's wall time that no kernel covered)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    wall_us = (time.perf_counter() - t0) * 1e6
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if us and "CUDA" in str(getattr(event, "device_type", "")):  # kernels, not the ops that launch them
+            kernels[event.key] = kernels.get(event.key, 0.0) + us
+    busy = sum(kernels.values())
+    kinds: dict[str, float] = {}
+    for name, us in kernels.items():
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_us / steps / 1e3,
+        "device_busy_share": busy / wall_us if wall_us else float("nan"),
+        "kinds_ms_per_step": {k: us / steps / 1e3 for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": [[name[:120], us / steps / 1e3] for name, us in top],
+    }
 
 
 def mask_build_ms(shape: Shape, spec: DrafterSpec, impl: str, device: torch.device) -> float:
@@ -508,6 +554,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True, help=check)
     p.add_argument("--warmup", type=int, help="untimed steps (compilation happens here); default 3, CPU 1")
     p.add_argument("--steps", type=int, help="timed steps, the median is reported; default 10, CPU 3")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, N steps under torch.profiler: device time by kernel kind, idle share",
+    )
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
     args.tiny = cpu if args.tiny is None else args.tiny
