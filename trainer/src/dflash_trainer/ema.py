@@ -14,6 +14,7 @@ of the step it was saved at; a fold due meanwhile waits for the write of ema.pt 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -39,7 +40,20 @@ class CpuEma:
         # Rehearsal run 3 counted it, with the first copy, in the 9.6 s of "drafter, optimizer and EMA".
         pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
         shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
-        self._pending: Future | None = self._worker.submit(self._allocate, shapes, pin)
+        self._pending: Future | None = None
+        self._submit(self._allocate, shapes, pin)
+
+    def _submit(self, task: Callable[..., None], *args: object) -> None:
+        """Queues `task` behind the worker's previous one, whose failure it passes on (a resume queues
+        its copy without waiting for the pinning; `wait` in the training thread sees either failure)."""
+        previous = self._pending
+
+        def run() -> None:
+            if previous is not None:
+                previous.result()
+            task(*args)
+
+        self._pending = self._worker.submit(run)
 
     def _allocate(self, shapes: dict[str, tuple[torch.Size, torch.dtype]], pin: bool) -> None:
         self._staging = {
@@ -58,7 +72,7 @@ class CpuEma:
             return
         self._started = True
         self.wait()  # the staging buffers exist
-        self._pending = self._worker.submit(self._first, self._stage(self._module))
+        self._submit(self._first, self._stage(self._module))
 
     def _stage(self, module: nn.Module) -> torch.cuda.Event | None:
         """Copies the weights into the staging buffers without blocking; the event marks their arrival."""
@@ -81,7 +95,7 @@ class CpuEma:
             return
         self.begin()
         self.wait()
-        self._pending = self._worker.submit(self._fold, self._stage(module))
+        self._submit(self._fold, self._stage(module))
 
     def _fold(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
@@ -118,10 +132,9 @@ class CpuEma:
         self._frozen.release()
 
     def load_state_dict(self, state: dict) -> None:
-        """Checks the names now; copies the values in the worker, like a fold (6.8 GB read from a
-        memory-mapped checkpoint at the reference: seconds a restart need not wait for before its first
-        step). The next update, `weights` and `state_dict` wait for it."""
-        self.wait()
+        """Checks the names now; copies the values in the worker, queued behind its pinning and any fold
+        (6.8 GB read from a memory-mapped checkpoint at the reference: seconds a restart need not wait for
+        before its first step). The next update, `weights` and `state_dict` wait for it."""
         if state["shadow"].keys() != set(self._names):
             raise ValueError("EMA state does not match the drafter's parameters")
         self._started = True
@@ -133,7 +146,7 @@ class CpuEma:
                 }
                 self.num_updates = state["num_updates"]
 
-        self._pending = self._worker.submit(copy)
+        self._submit(copy)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The averaged parameters (fp32, CPU), by parameter name."""
