@@ -2,6 +2,11 @@
 # with the carried wheels (.whl/) and this tree's trainer on the path, and what it has, printed once.
 # NVLink multicast stays off on shared hosts (the device tool's rule).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# The lent machines set PYTHONDONTWRITEBYTECODE=1 over a venv without __pycache__: every process compiled torch,
+# transformers and FLA from source (22-24 s of each start, rehearsal run 4). CT 200's venv has its bytecode (pip
+# writes it; L3's verify checks it), so the rehearsal keeps bytecode too, under a prefix any user can write.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/var/tmp/dflash-pycache}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site

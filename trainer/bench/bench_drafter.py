@@ -356,7 +356,7 @@ def bench_config(
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         row["mask_build_ms"] = mask_build_ms(shape, spec, impl, device)
-    if args.profile:
+    if getattr(args, "profile", 0):  # bench_specforge passes its own arguments
         row["profile"] = profile_steps(step, args.profile, device)
     return row
 
@@ -387,6 +387,8 @@ def profile_steps(step: Callable[[], Any], steps: int, device: torch.device) -> 
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if getattr(event, "is_user_annotation", False):  # record_function ranges: their kernels count already
+            continue
         if us and "CUDA" in str(getattr(event, "device_type", "")):  # kernels, not the ops that launch them
             kernels[event.key] = kernels.get(event.key, 0.0) + us
     busy = sum(kernels.values())
