@@ -202,6 +202,47 @@ def test_resume_after_background_saves_is_exact(tmp_path, tiny_target, shards, m
         assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
 
 
+def test_a_save_due_during_the_previous_write_is_deferred_not_waited_for(
+    tmp_path, tiny_target, shards, monkeypatch, caplog
+):
+    """Saves more frequent than the disk can write (the smoke run's on a slow disk: 25 s of stall in GPU
+    rehearsal run 4): the save is deferred to the first step that finds the write done, so no periodic save
+    stalls training for the rest of a write; the run's final save still lands, and waits."""
+    import dflash_trainer.checkpoint as ck
+
+    caplog.set_level("INFO")
+    real = ck.save_checkpoint
+    gate = threading.Event()
+
+    def held(*args, **kwargs):
+        gate.wait(30)  # the first write (step 2) holds until step 4 has finished
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "save_checkpoint", held)
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=8, checkpoint_every=2)
+    run = Run(cfg)
+    run.resume()
+
+    def release_at_step_4(m) -> None:
+        if m.step == 4:  # step 4's save was due while step 2's write ran: deferred
+            gate.set()
+        if m.step >= 4:  # from here on every write is done before the next step looks
+            run.drafter.checkpointer.wait()
+
+    result = run.train(hooks=[release_at_step_4])
+    messages = [r.getMessage() for r in caplog.records]
+    deferred = [m for m in messages if "deferred" in m]
+    assert deferred == [
+        "checkpoint at step 4 deferred: the previous write is still running; "
+        "saved after the first step that finds it done"
+    ], deferred
+    saved = [m.split(":")[0] for m in messages if m.startswith("checkpoint step-")]
+    # 2; 4's save made at 5, the first step that found the write done; then 6 and 8 at their turn.
+    assert saved == [f"checkpoint step-0000000{i}" for i in (2, 5, 6, 8)], saved
+    assert max(run.drafter.checkpointer.stalls) < 1.0, run.drafter.checkpointer.stalls
+    assert result.checkpoint is not None and result.checkpoint.name == "step-00000008"
+
+
 def torch_enospc(real_save, obj) -> RuntimeError:
     """The error torch.save raises on a full disk: RuntimeError "[enforce fail at inline_container.cc:...]
     unexpected pos", the OSError only its __context__ (made for real on /dev/full)."""

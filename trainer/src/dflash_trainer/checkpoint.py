@@ -278,7 +278,7 @@ class AsyncCheckpointer:
         `final`: the run's last save (its caller waits for it), logged without a stall: training is over.
         """
         start = time.perf_counter()
-        previous = self._thread is not None and self._thread.is_alive()
+        previous = self.busy()
         self.wait()  # the previous write must be done: its buffers are about to be refilled
         waited = time.perf_counter() - start if previous else 0.0
         device = _cuda_device(state)
@@ -353,6 +353,10 @@ class AsyncCheckpointer:
         log.info(
             "checkpoint %s: %s; written in %.1f s (%s)", path.name, how, time.perf_counter() - start, path
         )
+
+    def busy(self) -> bool:
+        """A write is in flight (a save now would wait for it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def check(self) -> None:
         if self._error is not None:

@@ -657,6 +657,8 @@ class DrafterSide:
         self.last: StepMetrics | None = None
         self.exchange: EvalExchange | None = None  # the leader's evaluation hand-off in a pipeline
         self.stopped = False
+        self.save_due = False  # a periodic save deferred while the previous write runs
+        self.saved_step: int | None = None  # the optimizer step of the newest save started
 
     # -- the step
 
@@ -701,8 +703,13 @@ class DrafterSide:
             if self.exchange.due(step):
                 self.exchange.send(step, self.drafter)
             m.eval = self.exchange.collect()
-        if self.checkpointer is not None and m.step % self.cfg.train.checkpoint_every == 0:
-            self.save(step + 1)
+        if self.checkpointer is not None and (m.step % self.cfg.train.checkpoint_every == 0 or self.save_due):
+            if not self.checkpointer.busy():
+                self.save(step + 1)
+            elif not self.save_due:  # waiting would stall training for the rest of the previous write
+                self.save_due = True
+                log.info("checkpoint at step %d deferred: the previous write is still running; "
+                         "saved after the first step that finds it done", m.step)  # fmt: skip
         return f"loss {m.loss:.4f} anchor_accept {m.anchor_accept:.2f} lr {m.lr:.2e}"
 
     # -- checkpoints
@@ -734,6 +741,7 @@ class DrafterSide:
         """Snapshots the state and writes it in the background (leader only)."""
         assert self.checkpointer is not None and self.ema is not None
         ema = self.ema
+        self.save_due, self.saved_step = False, self.step_count
         # The EMA is written live (frozen, not copied: 6.8 GB of host memory and a CPU copy in the stall).
         return self.checkpointer.save(
             self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw, final=final
@@ -775,7 +783,7 @@ class DrafterSide:
         this returns, so SIGTERM's checkpoint is on disk before the process exits."""
         path = None
         if self.checkpointer is not None:
-            if self.last is not None and self.last.step % self.cfg.train.checkpoint_every:
+            if self.last is not None and self.saved_step != self.last.step:
                 self.save(step, final=True)
             path = self.checkpointer.wait()
         if self.last is None:
