@@ -115,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "GROUP_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            # Every rank on this host: gloo on loopback, instead of its "Unable to resolve hostname"
+            # warning in every rank's journal (a CT's hostname need not resolve) before the same fallback.
+            "GLOO_SOCKET_IFNAME": base.get("GLOO_SOCKET_IFNAME", "lo"),
             "DFLASH_NPROC": str(n),
             "DFLASH_LAUNCH_T0": str(launched),
         }
