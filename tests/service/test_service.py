@@ -38,7 +38,7 @@ def test_start_reaches_ready_and_status_shows_the_step(fresh):
     assert "launcher: started 2 rank(s)" in log and "rank 0 target: " in log
     assert "ready: target, drafter, data and the newest checkpoint loaded on every rank" in log
     assert "start: interpreter, imports, configuration" in log  # where the start's seconds went, per rank
-    assert "Unable to resolve hostname" not in log  # gloo told to use loopback, not left to warn and fall back
+    assert "Unable to resolve hostname" not in log  # gloo told to use loopback, not to warn and fall back
     print(f"\nREADY after {ready_s:.1f} s; STATUS: {text!r} (step {step})")
 
 

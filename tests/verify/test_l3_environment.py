@@ -92,9 +92,9 @@ def test_venv_holds_compiled_bytecode(host, hostvars: dict[str, Any]) -> None:
     out = host.run(f'{venv(hostvars)}/bin/python -c "{code}"')
     assert out.rc == 0, f"bytecode check failed: {out.stderr.strip().splitlines()[-1:]}"
     assert not out.stdout.strip(), (
-        f"{venv(hostvars)}: no compiled bytecode for {out.stdout.strip()}: every start compiles them from source; "
-        f"was the venv installed with PYTHONDONTWRITEBYTECODE set? (fix: {venv(hostvars)}/bin/python -m "
-        "compileall -q the venv's site-packages, or rerun L3 with the venv removed)"
+        f"{venv(hostvars)}: no compiled bytecode for {out.stdout.strip()}: every start compiles them from "
+        "source; was the venv installed with PYTHONDONTWRITEBYTECODE set? (fix: "
+        f"{venv(hostvars)}/bin/python -m compileall -q the venv's site-packages, or rerun L3 without the venv)"
     )
 
 
