@@ -94,7 +94,7 @@ def test_venv_holds_compiled_bytecode(host, hostvars: dict[str, Any]) -> None:
     assert not out.stdout.strip(), (
         f"{venv(hostvars)}: no compiled bytecode for {out.stdout.strip()}: every start compiles them from "
         "source; was the venv installed with PYTHONDONTWRITEBYTECODE set? (fix: "
-        f"{venv(hostvars)}/bin/python -m compileall -q the venv's site-packages, or rerun L3 without the venv)"
+        f"{venv(hostvars)}/bin/python -m compileall -q its site-packages, or rerun L3 without the venv)"
     )
 
 
