@@ -81,20 +81,50 @@ def test_environment_imports(host, hostvars: dict[str, Any]) -> None:
     assert out.rc == 0, f"imports failed: {out.stderr.strip().splitlines()[-1:]}"
 
 
-def test_venv_holds_compiled_bytecode(host, hostvars: dict[str, Any]) -> None:
-    """Without .pyc files every start of the unit compiles torch, transformers and FLA from source: on an H200
-    host whose venv had none, the service's imports took 22-24 s of a warm restart, 10 s with them."""
-    code = (
-        "import importlib.util as u, os; "
-        "print(' '.join(m for m in ('torch', 'transformers', 'fla', 'sympy', 'dflash_trainer') "
-        "if not os.path.exists(u.cache_from_source(u.find_spec(m).origin))))"
-    )
-    out = host.run(f'{venv(hostvars)}/bin/python -c "{code}"')
+# Run in the venv: which top-level packages have no bytecode, and which bytecode files of a package that no
+# check imports (transformers' other models) are stale: they record a source mtime (or size) that is no longer
+# the file's, so Python compiles the source again at each import it cannot write back.
+BYTECODE_CHECK = r"""
+import importlib.util as u, os, struct, sys
+missing = [m for m in ("torch", "transformers", "fla", "sympy", "dflash_trainer")
+           if not os.path.exists(u.cache_from_source(u.find_spec(m).origin))]
+stale = []
+models = os.path.join(os.path.dirname(u.find_spec("transformers").origin), "models")
+for root, _, files in os.walk(models):
+    for name in files:
+        if not name.endswith(".py"):
+            continue
+        src = os.path.join(root, name)
+        pyc = u.cache_from_source(src)
+        if not os.path.exists(pyc):
+            continue
+        with open(pyc, "rb") as f:
+            flags, mtime, size = struct.unpack("<3I", f.read(16)[4:16])
+        st = os.stat(src)
+        if not flags & 1 and (mtime, size) != (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF):
+            stale.append(os.path.relpath(src, models))
+print(" ".join(missing))
+print(len(stale), " ".join(sorted(stale)[:3]))
+"""
+
+
+def test_venv_holds_current_bytecode(host, hostvars: dict[str, Any]) -> None:
+    """Without current .pyc files every start of the unit compiles torch, transformers and FLA from source: on
+    an H200 host whose venv had none, the service's imports took 22-24 s of a warm restart, 10 s with them.
+    The CT image's bytecode was once all stale (mtimes clamped to SOURCE_DATE_EPOCH after compiling)."""
+    v = venv(hostvars)
+    out = host.run(f"{v}/bin/python - <<'EOF'\n{BYTECODE_CHECK}\nEOF")
     assert out.rc == 0, f"bytecode check failed: {out.stderr.strip().splitlines()[-1:]}"
-    assert not out.stdout.strip(), (
-        f"{venv(hostvars)}: no compiled bytecode for {out.stdout.strip()}: every start compiles them from "
-        "source; was the venv installed with PYTHONDONTWRITEBYTECODE set? (fix: "
-        f"{venv(hostvars)}/bin/python -m compileall -q its site-packages, or rerun L3 without the venv)"
+    missing, stale = out.stdout.split("\n")[:2]
+    fix = f"fix: {v}/bin/python -m compileall -q --invalidation-mode checked-hash {v}/lib"
+    assert not missing.strip(), (
+        f"{v}: no compiled bytecode for {missing.strip()}: every start compiles them from source; was the "
+        f"venv installed with PYTHONDONTWRITEBYTECODE set? ({fix})"
+    )
+    count, examples = stale.split(" ", 1) if " " in stale else (stale, "")
+    assert count == "0", (
+        f"{v}: {count} bytecode files of transformers/models are stale (their sources' mtimes changed after "
+        f"compiling: an image packed with clamped mtimes?), e.g. {examples} ({fix})"
     )
 
 
