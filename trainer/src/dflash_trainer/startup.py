@@ -32,7 +32,3 @@ def breakdown(total: float) -> str:
     parts = [f"{name} {seconds:.1f} s" for name, seconds in _phases]
     other = total - sum(seconds for _, seconds in _phases)
     return ", ".join([*parts, f"other {max(other, 0.0):.1f} s"])
-
-
-def reset() -> None:
-    _phases.clear()

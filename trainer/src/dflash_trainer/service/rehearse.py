@@ -151,7 +151,7 @@ def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
 ECHO = re.compile(
     r"ready|start: |resumed|saved|checkpoint|step \d+ |error|critical|warning|traceback|stopp|finished", re.I
 )
-START = re.compile(r"start: (.*)")
+START = re.compile(r"(?<![a-z])start: (.*)")  # not "restart: "
 STALL = re.compile(r"stall(?:ed)?[^0-9]{0,20}([0-9.]+) ?s")
 
 
