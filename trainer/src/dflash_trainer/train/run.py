@@ -623,17 +623,16 @@ class DrafterSide:
             self.drafter.__dict__["forward"] = ddp
         o = cfg.optim
         params = list(self.drafter.parameters())
-        optimizer_start = time.perf_counter()
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
-            ],
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            fused=self.device.type == "cuda",
-        )
-        startup.record("optimizer", time.perf_counter() - optimizer_start)
+        with startup.phase("optimizer"):
+            self.optimizer = torch.optim.AdamW(
+                [
+                    {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
+                ],
+                lr=o.lr,
+                betas=(o.betas[0], o.betas[1]),
+                fused=self.device.type == "cuda",
+            )
         self.objective = objective_config(cfg)
         self.generator = torch.Generator()  # anchors, drawn on the CPU: the same on any device
         self.step_count = 0
@@ -757,12 +756,13 @@ class DrafterSide:
                 f"{path}: a checkpoint of an older trainer (no position); start afresh or export it"
             )
         trainer = state["trainer"]
-        self.drafter.load_state_dict(trainer["drafter"])
-        self.optimizer.load_state_dict(trainer["optimizer"])
+        with startup.phase("checkpoint onto the drafter"):  # device copies of weights and moments; EMA queued
+            self.drafter.load_state_dict(trainer["drafter"])
+            self.optimizer.load_state_dict(trainer["optimizer"])
+            if self.ema is not None and ema_state is not None:
+                self.ema.load_state_dict(ema_state)
         self.step_count = trainer["step"]
         set_rng_state(state["rng"], self.generator)
-        if self.ema is not None and ema_state is not None:
-            self.ema.load_state_dict(ema_state)
         pos = state["position"]
         next_item = -(-pos["rows"] // self.cfg.optim.batch)
         if self.leader:
@@ -866,8 +866,7 @@ class Run:
     def resume(self) -> Path | None:
         path = find_resume(self.cfg)
         if path is not None:
-            with startup.phase("checkpoint"):
-                self.position = self.drafter.resume(path)
+            self.position = self.drafter.resume(path)
         return path
 
     def evaluate(self) -> dict[str, float]:
