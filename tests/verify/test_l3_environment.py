@@ -85,7 +85,7 @@ def test_environment_imports(host, hostvars: dict[str, Any]) -> None:
 # check imports (transformers' other models) are stale: they record a source mtime (or size) that is no longer
 # the file's, so Python compiles the source again at each import it cannot write back.
 BYTECODE_CHECK = r"""
-import importlib.util as u, os, struct, sys
+import importlib.util as u, os, struct
 missing = [m for m in ("torch", "transformers", "fla", "sympy", "dflash_trainer")
            if not os.path.exists(u.cache_from_source(u.find_spec(m).origin))]
 stale = []
