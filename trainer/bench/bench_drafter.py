@@ -49,6 +49,7 @@ from dflash_trainer.config import DataConfig, DrafterConfig, LoopConfig, ModelCo
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.anchors import sample_anchors
 from dflash_trainer.method.layers import target_layer_ids
+from dflash_trainer.method.loss import LOSS_IMPLS
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.attention import flex_block_mask, resolve_impl
 from dflash_trainer.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterSpec
@@ -83,7 +84,8 @@ class Variant:
     compile: bool
     gradient_checkpointing: bool
     loss_chunk: int
-    loss: str = "fused"  # method.loss: the input gradient in the forward, or each chunk recomputed
+    loss: str = "fused"  # method.loss.LOSS_IMPLS: the input gradient in the forward (its softmax in one Triton
+    # kernel, or in torch), or each chunk recomputed
 
 
 REFERENCE_FFN = {4096: 12288, 5120: 17408}  # Qwen3-8B-like and Qwen3.6-27B's drafter
@@ -227,7 +229,7 @@ def step_flops(
     model = linear + 4 * fc_params * b * t + attn_needed + 2 * head_fwd
     # The LM head's executed cost: logits and the input gradient (fused), plus the logits again in backward
     # (checkpointed).
-    head_passes = 2 if variant.loss == "fused" else 3
+    head_passes = 3 if variant.loss == "checkpointed" else 2
     executed = linear + 4 * fc_params * b * t + 3.5 * per_pair * computed + head_passes * head_fwd
     if variant.gradient_checkpointing:
         executed += layer_fwd * shape.layers + per_pair * computed
@@ -550,7 +552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--loss-chunk", type=int, default=2048)
     losses = "loss implementations: the first for every shape, the others on the largest (side by side)"
-    p.add_argument("--loss", nargs="+", choices=["fused", "checkpointed"], default=["fused"], help=losses)
+    p.add_argument("--loss", nargs="+", choices=list(LOSS_IMPLS), default=["fused"], help=losses)
     extras = "also the largest shape with checkpointing flipped, and dense attention (default: on CUDA)"
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=None, help=extras)
     check = "first compare flex with dense (outputs, gradients) on this device (CUDA only)"

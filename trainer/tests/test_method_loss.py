@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trainer.method.loss import chunked_block_loss, gamma_for_block_size, position_weights
+from dflash_trainer.method.loss import LOSS_IMPLS, chunked_block_loss, gamma_for_block_size, position_weights
 
 
 def test_gamma_table_and_override() -> None:
@@ -29,7 +29,7 @@ def _case(seed: int):
     return hidden, head, labels, weight
 
 
-@pytest.mark.parametrize("impl", ["fused", "checkpointed"])
+@pytest.mark.parametrize("impl", LOSS_IMPLS)
 @pytest.mark.parametrize("chunk", [1, 5, 7, 100])
 def test_chunked_equals_unchunked_value_and_grad(chunk: int, impl: str) -> None:
     hidden, head, labels, weight = _case(0)
@@ -47,7 +47,7 @@ def test_chunked_equals_unchunked_value_and_grad(chunk: int, impl: str) -> None:
     assert (stats.predictions[weight == 0] == -1).all()
 
 
-@pytest.mark.parametrize("impl", ["fused", "checkpointed"])
+@pytest.mark.parametrize("impl", LOSS_IMPLS)
 def test_ignored_labels_are_never_indexed(impl: str) -> None:
     hidden, head, labels, weight = _case(1)
     labels = torch.where(weight > 0, labels, -100)
@@ -55,16 +55,17 @@ def test_ignored_labels_are_never_indexed(impl: str) -> None:
     assert torch.isfinite(loss)
 
 
-def test_an_ignored_label_with_weight_adds_no_loss_and_no_gradient_in_both_impls() -> None:
+def test_an_ignored_label_with_weight_adds_no_loss_and_no_gradient_in_every_impl() -> None:
     hidden, head, labels, weight = _case(4)
     labels[0, :6] = -100  # supervised positions whose label is F.cross_entropy's ignore_index
     got = {}
-    for impl in ("fused", "checkpointed"):
+    for impl in LOSS_IMPLS:
         loss, _ = chunked_block_loss(hidden, head, labels, weight, 5, impl=impl)
         (grad,) = torch.autograd.grad(loss, hidden)
         got[impl] = (loss, grad)
         assert torch.all(grad[0, :6] == 0)
     torch.testing.assert_close(got["fused"], got["checkpointed"])
+    torch.testing.assert_close(got["fused-torch"], got["checkpointed"])
 
 
 def test_fused_matches_checkpointed_under_bf16_autocast() -> None:
@@ -76,14 +77,15 @@ def test_fused_matches_checkpointed_under_bf16_autocast() -> None:
     labels = torch.randint(0, 300, (2, 40), generator=gen)
     weight = torch.rand(2, 40, generator=gen)
     got = {}
-    for impl in ("fused", "checkpointed"):
+    for impl in LOSS_IMPLS:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, stats = chunked_block_loss(hidden, head, labels, weight, 16, impl=impl)
         (grad,) = torch.autograd.grad(loss * 3.0, hidden)  # an upstream gradient other than 1
         got[impl] = (loss, grad, stats.predictions)
-    torch.testing.assert_close(got["fused"][0], got["checkpointed"][0])
-    torch.testing.assert_close(got["fused"][1], got["checkpointed"][1], rtol=2e-2, atol=1e-4)
-    assert torch.equal(got["fused"][2], got["checkpointed"][2])
+    for impl in ("fused", "fused-torch"):
+        torch.testing.assert_close(got[impl][0], got["checkpointed"][0])
+        torch.testing.assert_close(got[impl][1], got["checkpointed"][1], rtol=2e-2, atol=1e-4)
+        assert torch.equal(got[impl][2], got["checkpointed"][2])
 
 
 def test_a_head_that_trains_takes_the_checkpointed_path() -> None:
@@ -92,7 +94,7 @@ def test_a_head_that_trains_takes_the_checkpointed_path() -> None:
     loss, _ = chunked_block_loss(hidden, head, labels, weight, 4)  # fused asked, the head needs its gradient
     grad_head, _ = torch.autograd.grad(loss, (head, hidden))
     assert grad_head.abs().sum() > 0
-    with pytest.raises(ValueError, match="'fused' or 'checkpointed'"):
+    with pytest.raises(ValueError, match="one of fused, fused-torch, checkpointed"):
         chunked_block_loss(hidden, head, labels, weight, 4, impl="liger")
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_trainer.model import ce_rows
+
 # Decay of the loss weight along the block, from the paper: gamma 7 for B=16, 5 for 10, 4 for 8.
 _GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -36,6 +38,9 @@ class LossStats:
     num_tokens: int  # positions with weight > 0
 
 
+LOSS_IMPLS = ("fused", "fused-torch", "checkpointed")
+
+
 def _chunk_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor):
     logits = (hidden @ head.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
@@ -55,10 +60,12 @@ class _GradInForwardCE(torch.autograd.Function):
     computing it in the forward (the approach of Liger-Kernel's fused linear cross-entropy) spends 4 H*V
     FLOPs per position where recomputing the chunk under activation checkpointing spent 6, and passes over
     the [chunk, V] fp32 logits fewer times. The gradient kept for backward is [n, H]; backward only scales it.
+    With `rows_kernel`, where Triton runs (CUDA), each chunk's loss, argmax and softmax gradient come from one
+    kernel over the bf16 logits (model.ce_rows) instead of ten torch passes over an fp32 copy.
     """
 
     @staticmethod
-    def forward(ctx, h, head, y, w, chunk_size, dtype):  # type: ignore[override]
+    def forward(ctx, h, head, y, w, chunk_size, dtype, rows_kernel):  # type: ignore[override]
         ignored = y < 0  # F.cross_entropy's ignore_index (-100): no loss, no gradient
         w = torch.where(ignored, 0.0, w)
         y = torch.where(ignored, 0, y)
@@ -66,16 +73,23 @@ class _GradInForwardCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h)
         preds = torch.empty_like(y)
+        kernel = rows_kernel and ce_rows.runs_here(h)
         for start in range(0, h.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            logits = (h[sl].to(dtype) @ head_c.t()).float()
-            preds[sl] = logits.argmax(dim=-1)
-            lse = torch.logsumexp(logits, dim=-1)
-            rows = torch.arange(logits.shape[0], device=h.device)
-            total += ((lse - logits[rows, y[sl]]) * w[sl]).sum()
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-            grad[rows, y[sl]] -= 1.0
-            grad.mul_(w[sl, None])
+            logits = h[sl].to(dtype) @ head_c.t()
+            if kernel:  # one Triton kernel: the gradient over the logits, in their dtype
+                loss_rows, preds[sl] = ce_rows.ce_rows_(logits, y[sl], w[sl])
+                total += loss_rows.sum()
+                grad = logits
+            else:  # the same in torch, in fp32 (CPU runs; the benchmark's side-by-side)
+                logits = logits.float()
+                preds[sl] = logits.argmax(dim=-1)
+                lse = torch.logsumexp(logits, dim=-1)
+                rows = torch.arange(logits.shape[0], device=h.device)
+                total += ((lse - logits[rows, y[sl]]) * w[sl]).sum()
+                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                grad[rows, y[sl]] -= 1.0
+                grad.mul_(w[sl, None])
             grad_h[sl] = (grad.to(dtype) @ head_c).to(h.dtype)
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(preds)
@@ -84,7 +98,7 @@ class _GradInForwardCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_preds):  # type: ignore[override]
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), None, None, None, None, None
+        return grad_h * grad_total.to(grad_h.dtype), None, None, None, None, None, None
 
 
 def chunked_block_loss(
@@ -99,12 +113,13 @@ def chunked_block_loss(
     """sum(weight * CE(hidden @ W^T, labels)) / sum(weight), never holding more than one chunk of logits.
 
     Only positions with weight > 0 are computed. `impl`: "fused" (the default for a frozen head) computes the
-    input gradient in the forward, chunk by chunk (_GradInForwardCE); "checkpointed" runs each chunk under
+    input gradient in the forward, chunk by chunk (_GradInForwardCE), each chunk's softmax in one Triton
+    kernel where Triton runs; "fused-torch" the same with the softmax in torch; "checkpointed" runs each chunk under
     activation checkpointing and recomputes its [chunk, V] logits in backward (also the path for a head
     that trains). Both equal the unchunked loss in value and gradients; peak memory is one chunk.
     """
-    if impl not in ("fused", "checkpointed"):
-        raise ValueError(f"loss impl {impl!r}: 'fused' or 'checkpointed'")
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r}: one of {', '.join(LOSS_IMPLS)}")
     flat_w = weight.reshape(-1)
     idx = flat_w.nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
@@ -112,8 +127,9 @@ def chunked_block_loss(
     w = flat_w.index_select(0, idx).float()
     total = hidden.new_zeros((), dtype=torch.float32) + hidden.sum() * 0.0  # keeps the graph when empty
     preds = []
-    if impl == "fused" and not lm_head_weight.requires_grad and idx.numel():
-        part, pred = _GradInForwardCE.apply(h, lm_head_weight, y, w, chunk_size, _matmul_dtype(h))
+    if impl != "checkpointed" and not lm_head_weight.requires_grad and idx.numel():
+        rows_kernel = impl == "fused"
+        part, pred = _GradInForwardCE.apply(h, lm_head_weight, y, w, chunk_size, _matmul_dtype(h), rows_kernel)
         total = total + part
         preds.append(pred)
     else:
