@@ -164,3 +164,23 @@ def test_the_average_starts_at_begin_and_a_loaded_average_is_not_overwritten():
     resumed.begin()  # a no-op: the average came from the checkpoint
     torch.testing.assert_close(resumed.weights()["weight"], ema.weights()["weight"])
     assert resumed.num_updates == 1
+
+
+def test_nothing_is_staged_before_prepare_so_a_resume_copies_alone():
+    """Pinning the staging buffers holds the CUDA driver for seconds at the reference: it must not run beside
+    a resume's host-to-device copies. Construction and `load_state_dict` make no buffers; `prepare` (the
+    trainer's call after its first optimizer step) and the first fold do."""
+    module = nn.Linear(3, 2)
+    ema = CpuEma(module, decay=0.5, every=2)
+    ema.load_state_dict({"decay": 0.5, "every": 2, "num_updates": 4, "shadow": dict(module.state_dict())})
+    ema.wait()
+    assert ema._staging == {}
+    ema.update(module, step=1)  # not a fold step: still nothing
+    ema.wait()
+    assert ema._staging == {}
+    ema.prepare()
+    ema.wait()
+    assert set(ema._staging) == {"weight", "bias"}
+    ema.update(module, step=2)
+    ema.wait()
+    assert ema.num_updates == 5

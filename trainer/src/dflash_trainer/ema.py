@@ -35,13 +35,8 @@ class CpuEma:
         self.shadow: dict[str, torch.Tensor] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._started = False
-        # Pinning 6.9 GB of staging buffers at the reference takes seconds: the worker does it while the start
-        # goes on loading (the checkpoint, the data), and every later task of the worker runs after it.
-        # Rehearsal run 3 counted it, with the first copy, in the 9.6 s of "drafter, optimizer and EMA".
-        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
-        shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
         self._pending: Future | None = None
-        self._submit(self._allocate, shapes, pin)
+        self._prepared = False
 
     def _submit(self, task: Callable[..., None], *args: object) -> None:
         """Queues `task` behind the worker's previous one, whose failure it passes on (a resume queues
@@ -55,6 +50,22 @@ class CpuEma:
 
         self._pending = self._worker.submit(run)
 
+    def prepare(self) -> None:
+        """Queues the pinned staging buffers' allocation in the worker, once (later calls are no-ops).
+
+        Pinning 6.9 GB at the reference takes about 5 s and holds the CUDA driver while it runs: beside a
+        resume's host-to-device copies it made them 2.9 s slower (rehearsal run 4). So nothing pins at
+        construction: the trainer calls this after its first optimizer step is queued, and the first fold
+        (`every` steps later) finds the buffers made.
+        """
+        if self._prepared:
+            return
+        self._prepared = True
+        params = dict(self._module.named_parameters())
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
+        shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
+        self._submit(self._allocate, shapes, pin)
+
     def _allocate(self, shapes: dict[str, tuple[torch.Size, torch.dtype]], pin: bool) -> None:
         self._staging = {
             name: torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
@@ -65,14 +76,17 @@ class CpuEma:
         """Starts the average at the module's weights of now, once; a no-op after `load_state_dict`.
 
         The trainer calls it before its first optimizer step, so a resume never copies weights that the
-        checkpoint's average replaces. The copy goes into the staging buffers on the training stream (the
-        optimizer step is queued behind it); the worker makes it fp32.
+        checkpoint's average replaces. A fresh start copies them to fp32 host tensors directly (blocking: the
+        staging buffers are pinned later, see `prepare`).
         """
         if self._started:
             return
         self._started = True
-        self.wait()  # the staging buffers exist
-        self._submit(self._first, self._stage(self._module))
+        self.wait()
+        self.shadow = {
+            name: p.detach().to("cpu", torch.float32, copy=True) for name, p in self._module.named_parameters()
+        }
+        self.prepare()
 
     def _stage(self, module: nn.Module) -> torch.cuda.Event | None:
         """Copies the weights into the staging buffers without blocking; the event marks their arrival."""
@@ -84,17 +98,13 @@ class CpuEma:
         event.record()
         return event
 
-    def _first(self, event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            event.synchronize()
-        self.shadow = {name: t.to(torch.float32, copy=True) for name, t in self._staging.items()}
-
     def update(self, module: nn.Module, step: int) -> None:
         """Called after each optimizer step; folds the weights in every `every` steps."""
         if step % self.every:
             return
         self.begin()
-        self.wait()
+        self.prepare()
+        self.wait()  # the staging buffers exist, the previous fold is done
         self._submit(self._fold, self._stage(module))
 
     def _fold(self, event: torch.cuda.Event | None) -> None:
@@ -132,7 +142,7 @@ class CpuEma:
         self._frozen.release()
 
     def load_state_dict(self, state: dict) -> None:
-        """Checks the names now; copies the values in the worker, queued behind its pinning and any fold
+        """Checks the names now; copies the values in the worker, queued behind any fold
         (6.8 GB read from a memory-mapped checkpoint at the reference: seconds a restart need not wait for
         before its first step). The next update, `weights` and `state_dict` wait for it."""
         if state["shadow"].keys() != set(self._names):

@@ -683,6 +683,8 @@ class DrafterSide:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.step_count += 1
+        if self.ema is not None:
+            self.ema.prepare()  # its pinning, off a resume's start: behind the first step's queued kernels
         loss = float(out.loss.detach())  # the one host sync of the step
         if self.ema is not None:
             self.ema.update(self.drafter, self.step_count)
