@@ -3,8 +3,9 @@
 #   device run (carry .whl):  bash scripts/gpu_session.sh start [REHEARSE ARGS]   # returns at once
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
-# decode walk and the fast target load on CUDA), then scripts/gpu_rehearsal.sh, then the drafter benchmark with
-# a profile of its step, then our step against SpecForge's (issue 17; carry its wheel,
+# decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), then
+# scripts/gpu_rehearsal.sh, then the drafter benchmark with a profile of its step, the target forward's
+# benchmark (eager against compiled layers), then our step against SpecForge's (issue 17; carry its wheel,
 # specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
@@ -18,13 +19,16 @@ start)
   setsid nohup bash -c '
     source scripts/gpu_env.sh
     echo "=== GPU tests ($(date -u +%T))"
-    timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests 2>&1 | tail -n 30
+    timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
     echo "=== rehearsal ($(date -u +%T))"
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
-    echo "=== drafter step, with a profile of where its device time goes ($(date -u +%T))"
-    timeout 300 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
-      --no-check --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+    echo "=== drafter step: the loss softmax in Triton and in torch side by side, profiled ($(date -u +%T))"
+    timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
+      --no-check --loss fused fused-torch --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+    echo "=== target forward with capture: eager against compiled layers ($(date -u +%T))"
+    timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
+      2>&1 | grep -v "^Loading weights" | tail -n 8
     echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
     timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
       tail -n 4
@@ -36,7 +40,8 @@ poll)
   while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
   if [ -n "${OUT:-}" ]; then
     cp "$LOG" "$OUT"/ 2>/dev/null
-    cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$STATE"/out/specforge.json "$OUT"/ 2>/dev/null
+    cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$STATE"/out/specforge.json \
+      "$STATE"/out/target.json "$OUT"/ 2>/dev/null
   fi
   free -g | sed 's/^/host memory: /'
   tail -n 80 "$LOG"

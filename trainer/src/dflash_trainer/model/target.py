@@ -124,6 +124,24 @@ class TargetModel:
         return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
 
 
+COMPILE_SCOPES = ("layers", "mlp")
+
+
+def compile_layers(target: TargetModel, scope: str = "layers") -> None:
+    """torch.compile the target's decoder layers at fixed shapes (issue 17: elementwise kernels were a quarter
+    of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
+    module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced).
+    Parameter names, and with them the fast load and the decode walk, are unchanged."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
+    for layer in target.model.model.layers:
+        if scope == "layers":
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+        else:
+            for part in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+                part.forward = torch.compile(part.forward, dynamic=False)
+
+
 # Where the text model's weights sit in a checkpoint: the Qwen3.5/3.6 multimodal wrapper nests them.
 _PREFIXES = ("model.language_model.", "model.")
 
