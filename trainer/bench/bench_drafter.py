@@ -84,8 +84,9 @@ class Variant:
     compile: bool
     gradient_checkpointing: bool
     loss_chunk: int
-    loss: str = "fused"  # method.loss.LOSS_IMPLS: the input gradient in the forward (its softmax in one Triton
-    # kernel, or in torch), or each chunk recomputed
+    # method.loss.LOSS_IMPLS: the input gradient in the forward (its softmax in one Triton kernel, or in
+    # torch), or each chunk recomputed
+    loss: str = "fused"
 
 
 REFERENCE_FFN = {4096: 12288, 5120: 17408}  # Qwen3-8B-like and Qwen3.6-27B's drafter

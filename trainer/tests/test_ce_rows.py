@@ -59,7 +59,7 @@ def check_against_torch(device: str) -> None:
 def test_bad_shapes_are_named() -> None:
     with pytest.raises(ValueError, match=r"row-major \[n, V\]"):
         ce_rows_(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.long), torch.zeros(2))
-    with pytest.raises(ValueError, match="labels .* for 2 rows"):
+    with pytest.raises(ValueError, match=r"labels .* for 2 rows"):
         ce_rows_(torch.zeros(2, 5), torch.zeros(3, dtype=torch.long), torch.zeros(2))
 
 

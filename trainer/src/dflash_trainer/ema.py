@@ -83,9 +83,8 @@ class CpuEma:
             return
         self._started = True
         self.wait()
-        self.shadow = {
-            name: p.detach().to("cpu", torch.float32, copy=True) for name, p in self._module.named_parameters()
-        }
+        params = self._module.named_parameters()
+        self.shadow = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in params}
         self.prepare()
 
     def _stage(self, module: nn.Module) -> torch.cuda.Event | None:

@@ -114,7 +114,8 @@ def chunked_block_loss(
 
     Only positions with weight > 0 are computed. `impl`: "fused" (the default for a frozen head) computes the
     input gradient in the forward, chunk by chunk (_GradInForwardCE), each chunk's softmax in one Triton
-    kernel where Triton runs; "fused-torch" the same with the softmax in torch; "checkpointed" runs each chunk under
+    kernel where Triton runs; "fused-torch" the same with the softmax in torch; "checkpointed" runs each chunk
+    under
     activation checkpointing and recomputes its [chunk, V] logits in backward (also the path for a head
     that trains). Both equal the unchunked loss in value and gradients; peak memory is one chunk.
     """
@@ -128,8 +129,8 @@ def chunked_block_loss(
     total = hidden.new_zeros((), dtype=torch.float32) + hidden.sum() * 0.0  # keeps the graph when empty
     preds = []
     if impl != "checkpointed" and not lm_head_weight.requires_grad and idx.numel():
-        rows_kernel = impl == "fused"
-        part, pred = _GradInForwardCE.apply(h, lm_head_weight, y, w, chunk_size, _matmul_dtype(h), rows_kernel)
+        args = (h, lm_head_weight, y, w, chunk_size, _matmul_dtype(h), impl == "fused")
+        part, pred = _GradInForwardCE.apply(*args)
         total = total + part
         preds.append(pred)
     else:
