@@ -6,18 +6,22 @@
 Writes a random target of --shape cut to its first --layers layers (dflash-train model random's writer; on a
 GPU in seconds) into a temporary directory, loads it as the trainer does (load_target: fast_load, FLA's
 kernels on CUDA), then times `capture` on one --seq-len sequence for each --variant, side by side in one run:
+  fp32-reference   eager in fp32 (asked for by name): the features every bf16 variant is compared with
   eager            the trainer's path today
   compiled-layers  model.target.compile_layers(scope="layers"): each decoder layer's forward compiled
   compiled-mlp     the same, only the MLP and norms of each layer (no linear-attention kernels traced)
 Each row: median ms, tokens/s, TFLOP/s and MFU against the H200's 989 TFLOP/s dense bf16 (FLOPs: 2 x layer
 parameters x tokens plus causal attention of the full-attention layers; the Gated DeltaNet's chunked
-recurrence is not counted, so MFU is a floor), peak memory, the dynamo graphs made, and the largest difference
-of its captured features from eager's (a compiled forward must give eager's features within bf16).
+recurrence is not counted, so MFU is a floor), peak memory, the dynamo graphs made, and the largest and mean
+difference of its captured features from the first variant's (fp32-reference's when asked for: a compiled
+forward must be as close to fp32 as eager is). --profile N adds where the device time goes (bench_drafter's
+profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -30,12 +34,19 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_drafter's profiler
 from dflash_trainer.method.layers import target_layer_ids
 from dflash_trainer.model.shapes import SHAPES, write_random_target
 from dflash_trainer.model.target import TargetModel, compile_layers, load_target
 
 H200_BF16_DENSE_PEAK = 989e12
-VARIANTS = {"eager": None, "compiled-layers": "layers", "compiled-mlp": "mlp"}
+REFERENCE = "fp32-reference"
+VARIANTS: dict[str, tuple[str | None, torch.dtype]] = {  # compile scope, weights' dtype
+    REFERENCE: (None, torch.float32),
+    "eager": (None, torch.bfloat16),
+    "compiled-layers": ("layers", torch.bfloat16),
+    "compiled-mlp": ("mlp", torch.bfloat16),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -76,38 +87,52 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device) -> di
     vocab = SHAPES[args.shape].text["vocab_size"]
     tokens = torch.randint(0, vocab, (1, args.seq_len), generator=gen).to(device)
     rows, reference = [], None
-    for name in args.variant:
-        target = load_target(model_dir, device=device, layer_ids=ids)
-        row: dict[str, Any] = {"variant": name}
+    # The fp32 forward first when asked: every bf16 variant's features are then compared with it, so that
+    # "compiled differs from eager" can be told apart from "compiled is as close to fp32 as eager is".
+    names = sorted(args.variant, key=lambda n: n != REFERENCE)
+    for name in names:
+        scope, dtype = VARIANTS[name]
+        target = load_target(model_dir, device=device, layer_ids=ids, dtype=dtype)
+        row: dict[str, Any] = {"variant": name, "dtype": str(dtype).removeprefix("torch.")}
         try:
-            if VARIANTS[name]:
-                compile_layers(target, VARIANTS[name])
+            if scope:
+                compile_layers(target, scope)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             t0 = time.perf_counter()
             times, batch = time_capture(target, tokens, args.warmup, args.steps)
             flops = forward_flops(target, args.seq_len)
             step = statistics.median(times)
+            bf16_on_gpu = device.type == "cuda" and dtype == torch.bfloat16
             row |= {
                 "ms_median": step * 1e3,
                 "ms_all": [t * 1e3 for t in times],
                 "first_calls_s": time.perf_counter() - t0 - sum(times),
                 "tokens_per_s": args.seq_len / step,
                 "tflops": flops / step / 1e12,
-                "mfu": flops / step / H200_BF16_DENSE_PEAK if device.type == "cuda" else None,
+                "mfu": flops / step / H200_BF16_DENSE_PEAK if bf16_on_gpu else None,
+                "dynamo_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
             }
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            row["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             context = batch.context.float()
             if reference is None:
                 reference = context
-            row["max_abs_diff_vs_first"] = float((context - reference).abs().max())
-            row["max_abs_first"] = float(reference.abs().max())
+            diff = (context - reference).abs()
+            row["reference"] = names[0]
+            row["max_abs_diff"] = float(diff.max())
+            row["mean_abs_diff"] = float(diff.mean())
+            row["mean_abs_reference"] = float(reference.abs().mean())
+            if args.profile:
+                from bench_drafter import profile_steps
+
+                capture = functools.partial(target.capture, tokens)
+                row["profile"] = profile_steps(capture, args.profile, device)
         except Exception as exc:  # a variant that does not compile must not lose the others
             row["error"] = repr(exc)[:2000]
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("ms_all", "profile")}), flush=True)
         del target
         torch._dynamo.reset()
         if device.type == "cuda":
@@ -121,7 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=8, help="the first N layers of the shape (default 8)")
     p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=list(VARIANTS)[1:])
+    p.add_argument("--profile", type=int, default=0, help="profile N captures per variant (kernels by kind)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
@@ -161,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['variant']:16} error: {row['error'][:200]}")
         else:
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-            diff = row["max_abs_diff_vs_first"]
+            diff = f"{row['max_abs_diff']:.3g} max, {row['mean_abs_diff']:.3g} mean vs {row['reference']}"
             print(f"{row['variant']:16} {row['ms_median']:8.1f} ms  {row['tokens_per_s']:9.0f} tok/s  "
-                  f"{row['tflops']:6.1f} TFLOP/s  MFU {mfu}  diff {diff:.3g}")  # fmt: skip
+                  f"{row['tflops']:6.1f} TFLOP/s  MFU {mfu}  diff {diff}")  # fmt: skip
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 
