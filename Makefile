@@ -10,6 +10,10 @@ PY := $(VENV)/bin/python
 export PATH := $(VENV)/bin:$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible/ansible.cfg
 export PYTHONUNBUFFERED := 1
+# The venvs are installed without bytecode (pip's compile of all 37,000 files was most of a fresh bootstrap);
+# each module is compiled when first imported and kept, which PYTHONDONTWRITEBYTECODE=1 (set on some
+# machines) would turn into a compile at every start of every tool.
+unexport PYTHONDONTWRITEBYTECODE
 
 # Checks the inventory before any play: a missing path or a malformed file is one line naming it.
 CHECK_INVENTORY = $(PY) scripts/check_inventory.py $(INVENTORY)
