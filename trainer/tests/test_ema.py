@@ -109,6 +109,7 @@ def test_a_write_that_fails_before_the_ema_still_releases_it(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("room", [True, False], ids=["device-snapshot", "host-snapshot"])
 def test_a_background_save_of_cuda_state_holds_the_saved_step_while_training_changes_it(
     tmp_path, monkeypatch, caplog, room
