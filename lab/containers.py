@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lab.errors import LabError
-from lab.progress import BESIDE_THE_IMAGE, heartbeat
+from lab.progress import heartbeat
 from lab.settings import ContainerSpec, LabSettings
 
 LXC_ROOT = Path("/var/lib/lxc")
@@ -66,7 +66,6 @@ def base_rootfs(settings: LabSettings) -> Path:
 def _mmdebstrap(settings: LabSettings, partial: Path) -> None:
     run(
         [
-            *BESIDE_THE_IMAGE,
             "mmdebstrap",
             "--quiet",
             "--variant=minbase",

@@ -34,9 +34,3 @@ def heartbeat(what: str, every: float = EVERY_S) -> Iterator[None]:
     elapsed = time.monotonic() - start
     if elapsed >= every:
         print(f"lab: {what}: done in {elapsed:.0f} s", flush=True)
-
-
-# The first `make lab` builds the CT image (about 2.5 minutes on 2 cores, the first run's critical path)
-# beside the host stand-in's mmdebstrap and the seeding, which finish a minute or more before it: those two
-# run at a lower CPU priority, so that the image gets the cores it waits for.
-BESIDE_THE_IMAGE = ("nice", "-n", "10")

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from lab.errors import LabError
-from lab.progress import BESIDE_THE_IMAGE, heartbeat
+from lab.progress import heartbeat
 from lab.seed_trainer import NUM_SHARDS
 from lab.services import secret, write_secret
 from lab.settings import REPO, LabSettings
@@ -70,7 +70,6 @@ def ensure_seed_files(settings: LabSettings) -> bool:
     with heartbeat("seeding the tiny target and shards"):
         proc = subprocess.run(
             [
-                *BESIDE_THE_IMAGE,
                 str(TRAINER_PYTHON),
                 "-m",
                 "lab.seed_trainer",
