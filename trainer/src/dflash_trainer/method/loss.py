@@ -114,10 +114,9 @@ def chunked_block_loss(
 
     Only positions with weight > 0 are computed. `impl`: "fused" (the default for a frozen head) computes the
     input gradient in the forward, chunk by chunk (_GradInForwardCE), each chunk's softmax in one Triton
-    kernel where Triton runs; "fused-torch" the same with the softmax in torch; "checkpointed" runs each chunk
-    under
-    activation checkpointing and recomputes its [chunk, V] logits in backward (also the path for a head
-    that trains). Both equal the unchunked loss in value and gradients; peak memory is one chunk.
+    kernel where Triton runs; "fused-torch" the same with the softmax in torch; "checkpointed" runs each
+    chunk under activation checkpointing and recomputes its [chunk, V] logits in backward (also the path for
+    a head that trains). All equal the unchunked loss in value and gradients; peak memory is one chunk.
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r}: one of {', '.join(LOSS_IMPLS)}")

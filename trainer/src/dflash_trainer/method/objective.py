@@ -25,9 +25,8 @@ class ObjectiveConfig:
     max_anchors: int = 512
     gamma: float | None = None  # None: the paper's value for block_size
     loss_chunk_size: int = 2048
-    loss_impl: str = (
-        "fused"  # method.loss.LOSS_IMPLS: fused, fused-torch or checkpointed (benchmarks compare)
-    )
+    # method.loss.LOSS_IMPLS: fused, fused-torch or checkpointed (the benchmarks compare them)
+    loss_impl: str = "fused"
 
     def resolved_gamma(self) -> float:
         return self.gamma if self.gamma is not None else gamma_for_block_size(self.block_size)
