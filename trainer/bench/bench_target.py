@@ -10,7 +10,7 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   eager            the trainer's path today
   compiled-layers  model.target.compile_layers(scope="layers"): each decoder layer's forward compiled
   compiled-mlp     the same, only the MLP and norms of each layer (no linear-attention kernels traced)
-Each row: median ms, tokens/s, TFLOP/s and MFU against the H200's 989 TFLOP/s dense bf16 (FLOPs: 2 x layer
+Each row: median ms, tokens/s, TFLOP/s and MFU against 989 TFLOP/s (H100/H200 dense bf16) (FLOPs: 2 x layer
 parameters x tokens plus causal attention of the full-attention layers; the Gated DeltaNet's chunked
 recurrence is not counted, so MFU is a floor), peak memory, the dynamo graphs made, and the largest and mean
 difference of its captured features from the first variant's (fp32-reference's when asked for: a compiled
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,12 +33,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_drafter's profiler
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_drafter's helpers
+from bench_drafter import H100_BF16_DENSE_PEAK, environment, profile_steps, sync
+
 from dflash_trainer.method.layers import target_layer_ids
 from dflash_trainer.model.shapes import SHAPES, write_random_target
 from dflash_trainer.model.target import TargetModel, compile_layers, load_target
 
-H200_BF16_DENSE_PEAK = 989e12
 REFERENCE = "fp32-reference"
 VARIANTS: dict[str, tuple[str | None, torch.dtype]] = {  # compile scope, weights' dtype
     REFERENCE: (None, torch.float32),
@@ -47,11 +47,6 @@ VARIANTS: dict[str, tuple[str | None, torch.dtype]] = {  # compile scope, weight
     "compiled-layers": ("layers", torch.bfloat16),
     "compiled-mlp": ("mlp", torch.bfloat16),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def forward_flops(target: TargetModel, tokens: int) -> float:
@@ -111,7 +106,7 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device) -> di
                 "first_calls_s": time.perf_counter() - t0 - sum(times),
                 "tokens_per_s": args.seq_len / step,
                 "tflops": flops / step / 1e12,
-                "mfu": flops / step / H200_BF16_DENSE_PEAK if bf16_on_gpu else None,
+                "mfu": flops / step / H100_BF16_DENSE_PEAK if bf16_on_gpu else None,
                 "dynamo_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
             }
             if device.type == "cuda":
@@ -125,8 +120,6 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device) -> di
             row["mean_abs_diff"] = float(diff.mean())
             row["mean_abs_reference"] = float(reference.abs().mean())
             if args.profile:
-                from bench_drafter import profile_steps
-
                 capture = functools.partial(target.capture, tokens)
                 row["profile"] = profile_steps(capture, args.profile, device)
         except Exception as exc:  # a variant that does not compile must not lose the others
@@ -158,19 +151,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    import transformers
-
     from dflash_trainer.model.kernels import conv_backend
 
     result: dict[str, Any] = {
         "command": " ".join(["python3", *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        },
+        "environment": environment(device),
     }
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-target-") as tmp:
         t0 = time.perf_counter()
