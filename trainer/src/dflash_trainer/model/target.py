@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,35 +112,105 @@ class TargetModel:
         """Run the (truncated) decoder stack; no LM head. loss_mask defaults to attention_mask."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        context = self._features(input_ids, attention_mask.long())
+        mask = attention_mask if loss_mask is None else loss_mask
+        return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
+
+    @torch.no_grad()
+    def unpadded_features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`capture(input_ids).context` for sequences without padding, with no host sync in the forward.
+
+        For an all-ones mask, HF's mask builders return "no mask" per layer type (SDPA's is_causal, no padding
+        multiply), but find that out with a host sync, and under CUDA-graph capture or tracing build the full
+        masks instead. Handing the model that "no mask" mapping directly runs the same kernels as `capture`
+        with none of the checks, so the forward can be captured in a CUDA graph (`GraphedForward`).
+        """
+        return self._features(input_ids, unpadded_masks(self.config))
+
+    def _features(self, input_ids: torch.Tensor, masks: torch.Tensor | dict[str, None]) -> torch.Tensor:
         self._captured.clear()
         self._capturing = True
         try:
             with contextlib.suppress(_StopForward):
-                self.model.model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False)
-            context = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+                self.model.model(input_ids=input_ids, attention_mask=masks, use_cache=False)
+            return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._capturing = False
             self._captured.clear()
-        mask = attention_mask if loss_mask is None else loss_mask
-        return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
 
 
-COMPILE_SCOPES = ("layers", "mlp")
+COMPILE_SCOPES = ("layers", "mlp", "mlp-norm")
 
 
 def compile_layers(target: TargetModel, scope: str = "layers") -> None:
     """torch.compile the target's decoder layers at fixed shapes (issue 17: elementwise kernels were a quarter
     of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
-    module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced).
-    Parameter names, and with them the fast load and the decode walk, are unchanged."""
+    module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
+    "mlp-norm": those and the Gated DeltaNet's gated RMSNorm. Parameter names, and with them the fast load
+    and the decode walk, are unchanged."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     for layer in target.model.model.layers:
         if scope == "layers":
             layer.forward = torch.compile(layer.forward, dynamic=False)
-        else:
-            for part in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
-                part.forward = torch.compile(part.forward, dynamic=False)
+            continue
+        parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        if scope == "mlp-norm" and hasattr(layer, "linear_attn"):
+            parts.append(layer.linear_attn.norm)
+        for part in parts:
+            part.forward = torch.compile(part.forward, dynamic=False)
+
+
+_UNMASKED_LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def unpadded_masks(config: PreTrainedConfig) -> dict[str, None]:
+    """The per-layer-type mask mapping HF's text models take instead of a 2D mask, all "no mask": causal
+    attention through SDPA's is_causal, no padding multiply in the linear-attention layers. Only layer types
+    whose mask is nothing but causality and padding (a sliding window needs its mask)."""
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    other = sorted(types.difference(_UNMASKED_LAYER_TYPES))
+    if other:
+        raise ValueError(f"layer types {other} need their attention mask; only {_UNMASKED_LAYER_TYPES} do not")
+    return dict.fromkeys(types)
+
+
+class GraphedForward:
+    """`fn` at one fixed input shape, captured once in a CUDA graph and replayed (issue 17: the target's
+    forward at the fixed training length without the per-kernel launch cost of eager PyTorch).
+
+    Warm-up calls run on a side stream first (Triton autotuning, torch.compile, cuBLAS handles); the input is
+    copied into a static buffer before each replay. The returned tensor is the graph's static output: the next
+    call overwrites it, so use or copy it first.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, warmup: int = 3) -> None:
+        if not example.is_cuda:
+            raise ValueError(f"a CUDA graph needs a CUDA input, not {example.device}")
+        self.input = example.clone()
+        device = example.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn(self.input)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(self.input)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape != self.input.shape:
+            raise ValueError(f"captured for input shape {tuple(self.input.shape)}, got {tuple(x.shape)}")
+        self.input.copy_(x)
+        self.graph.replay()
+        return self.output
+
+
+def graph_features(target: TargetModel, example_ids: torch.Tensor, warmup: int = 3) -> GraphedForward:
+    """`target.unpadded_features` at example_ids' shape in a CUDA graph (sequences without padding)."""
+    return GraphedForward(target.unpadded_features, example_ids, warmup)
 
 
 # Where the text model's weights sit in a checkpoint: the Qwen3.5/3.6 multimodal wrapper nests them.
