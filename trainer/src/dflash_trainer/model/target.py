@@ -171,7 +171,9 @@ def unpadded_masks(config: PreTrainedConfig) -> dict[str, None]:
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     other = sorted(types.difference(_UNMASKED_LAYER_TYPES))
     if other:
-        raise ValueError(f"layer types {other} need their attention mask; only {_UNMASKED_LAYER_TYPES} do not")
+        raise ValueError(
+            f"layer types {other} need their attention mask; only {_UNMASKED_LAYER_TYPES} do not"
+        )
     return dict.fromkeys(types)
 
 
@@ -184,7 +186,9 @@ class GraphedForward:
     call overwrites it, so use or copy it first.
     """
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, warmup: int = 3) -> None:
+    def __init__(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, warmup: int = 3
+    ) -> None:
         if not example.is_cuda:
             raise ValueError(f"a CUDA graph needs a CUDA input, not {example.device}")
         self.input = example.clone()
