@@ -14,6 +14,11 @@ Writes a model of --size-gb (bf16 tensors of --tensor-mb each) into --dir (defau
   fastsafetensors issue 17's peers on the same file where installed (a device run carries their wheels):
   runai streamer  fastsafetensors' fastsafe_open (nogds: no GPUDirect Storage in a CT) and the Run:ai
                   model streamer (to host memory, then to the device, as vLLM uses it)
+  --diagnose      fast_load's two halves apart, with its options (CUDA): its readers filling the pinned ring
+                  from the file with no device copy (the host side's rate), and the ring's chunked copies to
+                  the device with no reads (the copy side's rate, against the one 4 GB pinned copy); the
+                  slower half bounds fast_load, and both far above it point at their overlap
+  --grid          fast_load over every --grid-readers x --grid-chunk-mb x --grid-buffers (per reader)
 Each figure is the best of --repeat runs; fast_load's result is compared byte for byte with load_file's.
 """
 
@@ -140,6 +145,64 @@ def peer_loaders(path: Path, device: torch.device) -> dict[str, object]:
     return peers
 
 
+def _ring_reads(loader: fast_load.Loader, path: Path) -> None:
+    """The loader's readers fill its pinned ring with the whole file, chunk by chunk; no device copy."""
+    header = fast_load.read_header(path)
+    ring = loader.host_views
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        jobs = [
+            loader.pool.submit(fast_load._pread_into, fd, ring[i % len(ring)][:n], header.data_start + o)
+            for i, (o, n) in enumerate(loader._chunks(header.data_bytes))
+        ]
+        for job in jobs:
+            job.result()
+    finally:
+        os.close(fd)
+
+
+def _ring_copies(loader: fast_load.Loader, flat: torch.Tensor) -> None:
+    """The pinned ring copied into `flat` on the loader's stream in its chunks, as a load does; no reads."""
+    ring = loader.buffers
+    with torch.cuda.stream(loader.stream):
+        for i, (o, n) in enumerate(loader._chunks(flat.numel())):
+            flat[o : o + n].copy_(ring[i % len(ring)][:n], non_blocking=True)
+    loader.stream.synchronize()
+
+
+def diagnose(path: Path, nbytes: int, device: torch.device, options: dict[str, int], repeat: int) -> None:
+    """fast_load's host side (reads into pinned memory) and device side (chunked copies) measured apart."""
+    with fast_load.Loader(device, **options) as loader:
+        _ring_reads(loader, path)  # warm-up
+        seconds, _ = best_of(repeat, lambda: _ring_reads(loader, path))
+        print(f"  readers only  {nbytes / seconds / GB:7.2f} GB/s   file -> pinned ring, no device copy")
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        _ring_copies(loader, flat)
+        seconds, _ = best_of(repeat, lambda: _ring_copies(loader, flat))
+        print(
+            f"  copies only   {nbytes / seconds / GB:7.2f} GB/s   pinned ring -> device in chunks, no reads"
+        )
+
+
+def grid(path: Path, nbytes: int, device: torch.device, args: argparse.Namespace) -> None:
+    """fast_load's rate over readers x chunk size x buffers per reader: best and median of --repeat."""
+    for readers in args.grid_readers:
+        for chunk in args.grid_chunk_mb:
+            for per in args.grid_buffers:
+                opts = {"chunk_mb": chunk, "num_buffers": max(2, per * readers), "readers": readers}
+                times = []
+                with fast_load.Loader(device, **opts) as loader:
+                    loader.load(path)
+                    sync(device)
+                    for _ in range(args.repeat):
+                        start = time.perf_counter()
+                        loader.load(path)
+                        sync(device)
+                        times.append(time.perf_counter() - start)
+                best, median = nbytes / min(times) / GB, nbytes / sorted(times)[len(times) // 2] / GB
+                print(f"  grid {opts}: best {best:6.2f} GB/s, median {median:6.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=8.0)
@@ -152,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffers", type=int, default=12)
     parser.add_argument("--readers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--sweep", action="store_true", help="also try a few reader/chunk settings")
+    parser.add_argument("--diagnose", action="store_true", help="fast_load's reads and copies apart (CUDA)")
+    parser.add_argument("--grid", action="store_true", help="fast_load over the --grid-* settings")
+    parser.add_argument("--grid-readers", type=int, nargs="+", default=[12, 16])
+    parser.add_argument("--grid-chunk-mb", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument(
+        "--grid-buffers", type=int, nargs="+", default=[1, 2], help="pinned buffers per reader"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the model file afterwards")
     args = parser.parse_args(argv)
 
@@ -226,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<15} {nbytes / seconds / GB:7.2f} GB/s   equal to load_file: {equal}")
         del reference
 
+        if args.diagnose and device.type == "cuda":
+            diagnose(path, nbytes, device, options, args.repeat)
+        if args.grid:
+            grid(path, nbytes, device, args)
         if args.sweep:
             for readers in (2, 4, 8, 12):
                 for chunk in (16, 64, 256):
