@@ -3,6 +3,10 @@
 # time limit so a slow one cannot eat the others. Results: $OUT/*.log and *.json; figures go to docs/benchmarks.md.
 #   device run:  bash scripts/gpu_bench.sh [SECTION...]   (carry .whl: flash-linear-attention + fla-core wheels)
 #   sections: drafter load pipeline gputests (default: all, in that order)
+#   issue 17's sections (one H200; asked for by name): load-grid (fast_load's halves apart and a grid of its
+#   settings, with the peers), target (the target forward: eager, compiled, CUDA graphs, fp32 reference, device
+#   timeline from the profiler's trace; traces in $OUT/target-traces.tgz; about 7 minutes), drafter-chunks
+#   (the drafter step at loss chunk 8192 and 2048, one process each; about 5 minutes)
 # Budget: about 9 minutes on nvidia-h200-x2 (two GPUs: the 1:1 pipeline and two parallel loaders).
 set -u
 OUT=${OUT:-/tmp/gpu-bench}
@@ -31,5 +35,19 @@ elif [ "$gpus" -ge 2 ]; then
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --targets 1 --drafters 1 --out "$OUT/pipeline.json"
 else
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
+fi
+want load-grid && run load-grid 150 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid
+if want target; then
+  rm -rf /var/tmp/target-traces
+  run target 450 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
+    --trace-dir /var/tmp/target-traces --out "$OUT/target.json" --variant fp32-reference eager eager-plain \
+    compiled-mlp graph graph-plain graph-mlp graph-mlp-norm
+  tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
+fi
+if want drafter-chunks; then
+  for chunk in 8192 2048; do
+    run "drafter-$chunk" 280 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 \
+      --no-extras --no-check --loss-chunk "$chunk" --out "$OUT/drafter-$chunk.json"
+  done
 fi
 want gputests && run gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py
