@@ -36,10 +36,10 @@ elif [ "$gpus" -ge 2 ]; then
 else
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
 fi
-want load-grid && run load-grid 150 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid
+want load-grid && run load-grid 120 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid
 if want target; then
   rm -rf /var/tmp/target-traces
-  run target 450 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
+  run target 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
     --trace-dir /var/tmp/target-traces --out "$OUT/target.json" --variant fp32-reference eager eager-plain \
     compiled-mlp graph graph-plain graph-mlp graph-mlp-norm
   tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
