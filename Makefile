@@ -48,9 +48,20 @@ test-slow: bootstrap lab ## the long checks: slow molecule scenarios (DKMS build
 	$(PY) -m pytest -q -m slow tests
 	scripts/molecule_all.sh --slow
 
+.PHONY: test-multinode
+test-multinode: bootstrap ## the two-CT lab of one job (inventory/lab-multinode): build, provision, tests, smoke run
+	$(MAKE) --no-print-directory lab LAB_INVENTORY=inventory/lab-multinode
+	$(MAKE) --no-print-directory provision INVENTORY=inventory/lab-multinode
+	$(PY) -m pytest -q tests/multinode
+	$(PY) -m pytest -q tests/verify --inventory inventory/lab-multinode
+	$(MAKE) --no-print-directory smoke-train INVENTORY=inventory/lab-multinode
+
 .PHONY: lab
+# The lab to build: inventory/lab (one CT), or inventory/lab-multinode (two CTs of one job).
+LAB_INVENTORY ?= inventory/lab
+
 lab: bootstrap ## build or repair the local lab (containers, fakepve, S3); changes nothing when up
-	$(PY) -m lab up --inventory inventory/lab
+	$(PY) -m lab up --inventory $(LAB_INVENTORY)
 
 .PHONY: lab-down
 lab-down: ## remove every container, process, listener and file the lab made
@@ -58,7 +69,7 @@ lab-down: ## remove every container, process, listener and file the lab made
 
 .PHONY: lab-status
 lab-status: bootstrap ## print each part of the lab and whether it is up
-	$(PY) -m lab status --inventory inventory/lab
+	$(PY) -m lab status --inventory $(LAB_INVENTORY)
 
 .PHONY: provision
 provision: bootstrap ## run ansible/site.yml against INVENTORY, layer by layer (VERIFY=all: every layer's checks)

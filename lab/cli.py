@@ -6,6 +6,7 @@ import argparse
 import concurrent.futures
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from lab import containers, image, seed, services
@@ -60,10 +61,17 @@ def up(settings: LabSettings) -> bool:
     return changed
 
 
-def down(settings: LabSettings) -> None:
-    for spec in settings.containers:
-        removed = containers.destroy_container(spec.name)
-        print(f"lab: container {spec.name:<10} {'removed' if removed else 'absent'}")
+def lab_inventories() -> list[Path]:
+    """Every lab inventory of the repository (inventory/lab, inventory/lab-multinode): `lab down` removes the
+    containers of all of them, whichever one built them."""
+    return sorted(p for p in (REPO / "inventory").glob("lab*") if p.is_dir())
+
+
+def down(settings: LabSettings, others: Sequence[LabSettings] = ()) -> None:
+    names = dict.fromkeys(spec.name for s in (settings, *others) for spec in s.containers)
+    for name in names:
+        removed = containers.destroy_container(name)
+        print(f"lab: container {name:<10} {'removed' if removed else 'absent'}")
     for daemon in services.daemons(settings):
         stopped = services.stop_daemon(settings, daemon)
         print(f"lab: {daemon.name:<20} {'stopped' if stopped else 'not running'}")
@@ -127,14 +135,17 @@ def status(settings: LabSettings) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
     parser.add_argument("command", choices=["up", "down", "status"])
-    parser.add_argument("--inventory", type=Path, default=REPO / "inventory" / "lab")
+    parser.add_argument(
+        "--inventory", type=Path, default=None, help="default inventory/lab; down: every lab inventory"
+    )
     args = parser.parse_args(argv)
     try:
-        settings = load_settings(args.inventory)
+        settings = load_settings(args.inventory or REPO / "inventory" / "lab")
         if args.command == "up":
             up(settings)
         elif args.command == "down":
-            down(settings)
+            others = [] if args.inventory else [load_settings(i) for i in lab_inventories()]
+            down(settings, others)
         else:
             return 0 if status(settings) else 1
     except LabError as err:

@@ -112,6 +112,8 @@ def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
     if spec.memory_mb is not None:
         # cgroup v1 line: this machine's hybrid layout ignores cgroup2 limit lines.
         lines.append(f"lxc.cgroup.memory.limit_in_bytes = {spec.memory_mb}M")
+    for source, target in spec.binds:  # ct: its mount points; host: the shared storage (lab/settings.py)
+        lines.append(f"lxc.mount.entry = {source} {target.lstrip('/')} none bind,create=dir 0 0")
     if spec.role == "ct":
         for wheel_dir in settings.wheel_dirs:
             if wheel_dir.is_dir():
@@ -214,6 +216,8 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings, make_rootfs: Ro
         changed = True
 
     if state(spec.name) != "RUNNING":
+        for source, _ in spec.binds:  # lxc-start fails on a missing source
+            source.mkdir(parents=True, exist_ok=True)
         settings.log_dir.mkdir(parents=True, exist_ok=True)
         log = settings.log_dir / f"{spec.name}.lxc.log"
         run(["lxc-start", "-n", spec.name, "-d", "-l", "WARN", "-o", str(log)], timeout=60)

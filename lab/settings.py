@@ -20,6 +20,8 @@ class ContainerSpec:
     role: str  # "ct" (stands in for CT 200) or "host" (stands in for the Proxmox host OS)
     shm_size_mb: int | None
     memory_mb: int | None
+    # Bind mounts: (directory on this machine, absolute path in the container).
+    binds: tuple[tuple[Path, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class LabSettings:
     seed: int
     wheel_dirs: tuple[Path, ...]
     containers: tuple[ContainerSpec, ...]
+    shared_storage_host_path: str
+
+    @property
+    def shared_storage_dir(self) -> Path:
+        """The lab's stand-in for an NFS export: one directory of this machine, mounted on the host's stand-in
+        at shared_storage_host_path as PVE mounts a shared storage at /mnt/pve/NAME."""
+        return shared_storage_dir(self.lab_dir)
 
     @property
     def secrets_dir(self) -> Path:
@@ -76,6 +85,35 @@ def _require(hostvars: dict, key: str, kind: type, inventory: Path):
     return value
 
 
+def shared_storage_dir(lab_dir: Path) -> Path:
+    return lab_dir / "shared-storage"
+
+
+def mount_point_binds(
+    host: str, mount_points: object, storage_dir: Path, storage_host_path: str, inventory: Path
+) -> tuple[tuple[Path, str], ...]:
+    """What Proxmox does with a CT's bind mount points (ct_mount_points, set as mpN by roles/pve_container):
+    the host directory appears at the CT path. The lab's host is a container beside the CTs, so a host path
+    under the shared storage's mount is bound from the storage's directory on this machine."""
+    if not isinstance(mount_points, list):
+        raise LabError(f"inventory {inventory}: {host}: ct_mount_points must be a list, got {mount_points!r}")
+    binds = []
+    for mp in mount_points:
+        try:
+            below = Path(str(mp["host_path"])).relative_to(storage_host_path)
+            ok = ".." not in below.parts and str(mp["path"]).startswith("/")
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise LabError(
+                f"inventory {inventory}: {host}: ct_mount_points entry {mp!r}: the lab binds host paths "
+                f"under lab_shared_storage_host_path {storage_host_path} (its shared storage) at absolute CT "
+                "paths only"
+            )
+        binds.append((storage_dir / below, str(mp["path"])))
+    return tuple(binds)
+
+
 def load_settings(inventory: Path) -> LabSettings:
     data = _inventory_json(inventory)
     hostvars: dict[str, dict] = data.get("_meta", {}).get("hostvars", {})
@@ -87,8 +125,16 @@ def load_settings(inventory: Path) -> LabSettings:
     def get(key: str, kind: type):
         return _require(any_vars, key, kind, inventory)
 
+    lab_dir = Path(get("lab_dir", str))
+    storage_host_path = get("lab_shared_storage_host_path", str)
+    if not storage_host_path.startswith("/"):
+        raise LabError(
+            f"inventory {inventory}: lab_shared_storage_host_path must be absolute, got {storage_host_path}"
+        )
+    storage = ((shared_storage_dir(lab_dir), storage_host_path),)
     containers = [
-        ContainerSpec(name=h, role="host", shm_size_mb=None, memory_mb=None) for h in groups["proxmox_hosts"]
+        ContainerSpec(name=h, role="host", shm_size_mb=None, memory_mb=None, binds=storage)
+        for h in groups["proxmox_hosts"]
     ]
     for h in groups["training_cts"]:
         v = hostvars[h]
@@ -98,6 +144,9 @@ def load_settings(inventory: Path) -> LabSettings:
                 role="ct",
                 shm_size_mb=_require(v, "ct_shm_size_mb", int, inventory),
                 memory_mb=_require(v, "ct_memory_mb", int, inventory),
+                binds=mount_point_binds(
+                    h, v.get("ct_mount_points", []), storage[0][0], storage_host_path, inventory
+                ),
             )
         )
     for key in ("lab_fakepve_host", "lab_s3_host"):
@@ -105,7 +154,7 @@ def load_settings(inventory: Path) -> LabSettings:
             raise LabError(f"inventory {inventory}: {key} must be a loopback address, got {get(key, str)}")
     return LabSettings(
         inventory=inventory,
-        lab_dir=Path(get("lab_dir", str)),
+        lab_dir=lab_dir,
         suite=get("lab_debian_suite", str),
         mirror=get("lab_debian_mirror", str),
         fakepve_host=get("lab_fakepve_host", str),
@@ -116,4 +165,5 @@ def load_settings(inventory: Path) -> LabSettings:
         seed=get("lab_seed", int),
         wheel_dirs=tuple(Path(p) for p in get("lab_wheel_dirs", list)),
         containers=tuple(containers),
+        shared_storage_host_path=storage_host_path,
     )

@@ -306,3 +306,36 @@ def test_a_restarted_api_keeps_the_template_and_the_ct(pve, play, tmp_path: Path
     assert run.rc == 0, run.error()
     assert not uploads, "the template was uploaded again"
     assert run.changed == 0, f"L2 against the restarted API changed {run.changed} things"
+
+
+def mounts(config: dict) -> dict[str, str]:
+    return {k: v for k, v in config.items() if k.startswith("mp") and k[2:].isdigit()}
+
+
+def test_mount_points_are_bind_mpn_entries_kept_exactly(pve, play, lab, tmp_path: Path) -> None:
+    """ct_mount_points become bind mpN entries through pct (root@pam only, as devN); a rerun changes nothing,
+    a storage volume mount point stays, a bind at a CT path no longer listed goes, and a host directory that
+    is missing or a relative path is refused before anything is set, naming it."""
+    shared = tmp_path / "mnt-pve-shared"
+    shared.mkdir()
+    wanted = [{"host_path": str(shared), "path": "/mnt/dflash-shared"}]
+    run = play(ct_mount_points=wanted, ct_device_mode="auto")
+    assert run.rc == 0, run.error()
+    assert list(mounts(pve.ct(200).config).values()) == [f"{shared},mp=/mnt/dflash-shared"]
+    # What a site adds by hand: a volume (data, never touched) and a bind the inventory does not list.
+    pve.ct(200).config["mp1"] = "local-lvm:vm-200-disk-1,mp=/data,size=8G"
+    pve.ct(200).config["mp2"] = "/srv/old,mp=/mnt/old"
+    again = play(ct_mount_points=[*wanted, {**wanted[0], "path": "/mnt/ro", "read_only": True}])
+    assert again.rc == 0, again.error()
+    assert mounts(pve.ct(200).config) == {
+        "mp0": f"{shared},mp=/mnt/dflash-shared",
+        "mp1": "local-lvm:vm-200-disk-1,mp=/data,size=8G",
+        "mp2": f"{shared},mp=/mnt/ro,ro=1",
+    }
+    same = play(ct_mount_points=[*wanted, {**wanted[0], "path": "/mnt/ro", "read_only": True}])
+    assert same.rc == 0 and same.changed == 0, same.error()
+    missing = play(ct_mount_points=[{"host_path": str(tmp_path / "nope"), "path": "/mnt/x"}])
+    assert missing.rc != 0 and f"host_path {tmp_path / 'nope'}" in missing.error()
+    assert "/mnt/x" not in str(pve.ct(200).config)
+    relative = play(ct_mount_points=[{"host_path": str(shared), "path": "mnt/x"}])
+    assert relative.rc != 0 and "ct_mount_points must be a list of" in relative.error()

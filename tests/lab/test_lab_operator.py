@@ -108,3 +108,31 @@ def test_seed_holds_no_mask_token_and_says_how_far_it_is(scratch_seed) -> None:
     # About 15 s on this 2-core machine under load (it was about 4 minutes as four CLI calls in batches of
     # 16); the bound leaves room for a loaded machine and still catches a return to minutes.
     assert seconds < 120, f"seeding took {seconds:.0f} s"
+
+
+def test_multinode_lab_binds_one_shared_storage_into_the_host_and_both_cts() -> None:
+    """inventory/lab-multinode: lab-host mounts the lab's shared storage where PVE mounts a storage, and each
+    CT's ct_mount_points entry (what roles/pve_container sets as mp0) is bound from that one directory."""
+    settings = load_settings(REPO / "inventory" / "lab-multinode")
+    storage = settings.shared_storage_dir
+    binds = {spec.name: spec.binds for spec in settings.containers}
+    assert binds["lab-host"] == ((storage, "/mnt/pve/dflash-shared"),)
+    assert binds["lab-ct201"] == binds["lab-ct202"] == ((storage, "/mnt/dflash-shared"),)
+    assert all(spec.binds == () or spec.role == "host" for spec in SETTINGS.containers)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"host_path": "/srv/elsewhere", "path": "/mnt/x"},
+        {"host_path": "/mnt/pve/dflash-shared/../x", "path": "/mnt/x"},
+        {"host_path": "/mnt/pve/dflash-shared", "path": "mnt/x"},
+        {"path": "/mnt/x"},
+    ],
+)
+def test_a_mount_point_the_lab_cannot_bind_is_named(entry: dict) -> None:
+    from lab.errors import LabError
+    from lab.settings import mount_point_binds
+
+    with pytest.raises(LabError, match=r"lab-ct9: ct_mount_points entry .* lab_shared_storage_host_path"):
+        mount_point_binds("lab-ct9", [entry], Path("/x"), "/mnt/pve/dflash-shared", Path("inv"))

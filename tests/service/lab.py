@@ -26,10 +26,12 @@ TRAINER_PY = REPO / ".venv-trainer" / "bin" / "python"
 OPS = REPO / ".venv" / "bin"
 
 
-def sh(cmd: str, *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """A shell command inside the container."""
+def sh(
+    cmd: str, *, check: bool = True, timeout: float = 120, ct: str = CT
+) -> subprocess.CompletedProcess[str]:
+    """A shell command inside the container (CT, or another lab container)."""
     proc = subprocess.run(
-        ["lxc-attach", "-n", CT, "--", "/bin/sh", "-c", cmd],
+        ["lxc-attach", "-n", ct, "--", "/bin/sh", "-c", cmd],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -37,7 +39,7 @@ def sh(cmd: str, *, check: bool = True, timeout: float = 120) -> subprocess.Comp
     )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"in {CT}: `{cmd}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            f"in {ct}: `{cmd}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc
 
@@ -156,8 +158,8 @@ def prepare() -> None:
 # ---- reading the unit
 
 
-def show(prop: str, unit: str = "dflash-train") -> str:
-    return sh(f"systemctl show -p {prop} --value {unit}").stdout.strip()
+def show(prop: str, unit: str = "dflash-train", ct: str = CT) -> str:
+    return sh(f"systemctl show -p {prop} --value {unit}", ct=ct).stdout.strip()
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
@@ -178,15 +180,15 @@ def status_step() -> int | None:
     return None
 
 
-def journal(since_cursor: str | None = None, unit: str = "dflash-train") -> str:
+def journal(since_cursor: str | None = None, unit: str = "dflash-train", ct: str = CT) -> str:
     cmd = f"journalctl -u {unit} -o cat --no-pager"
     if since_cursor:
         cmd += f" --after-cursor='{since_cursor}'"
-    return sh(cmd).stdout
+    return sh(cmd, ct=ct).stdout
 
 
-def cursor() -> str:
-    out = sh("journalctl -n 1 -o export --no-pager | sed -n 's/^__CURSOR=//p'").stdout.strip()
+def cursor(ct: str = CT) -> str:
+    out = sh("journalctl -n 1 -o export --no-pager | sed -n 's/^__CURSOR=//p'", ct=ct).stdout.strip()
     return out
 
 

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 GROUP = "training_cts"
@@ -120,3 +121,28 @@ def test_created_from_the_ct_image_of_its_variant(host, hostvars: dict[str, Any]
     assert built.get("variant") == want, (
         f"the CT runs the {built.get('variant')} image, inventory wants {want}"
     )
+
+
+def test_mount_points_are_in_the_pve_config_and_mounted(host, hostvars: dict[str, Any], proxmox) -> None:
+    """ct_mount_points (a multi-node job's shared storage): an mpN entry of the CT (`pct config` on its host)
+    and a mount at that path inside the CT."""
+    wanted = plain(hostvars, "ct_mount_points") or []
+    if not wanted:
+        pytest.skip("ct_mount_points is empty for this CT")
+    config = proxmox.run(f"pct config {hostvars['ct_vmid']}")
+    assert config.rc == 0, (
+        f"pct config {hostvars['ct_vmid']} on {hostvars['ct_proxmox_host']}: {config.stderr}"
+    )
+    entries = re.findall(r"^mp\d+: (.*)$", config.stdout, re.MULTILINE)
+    for mp in wanted:
+        binds = [
+            e for e in entries if e.split(",")[0] == mp["host_path"] and f"mp={mp['path']}" in e.split(",")
+        ]
+        assert binds, (
+            f"CT {hostvars['ct_vmid']} has no mpN {mp['host_path']},mp={mp['path']} (it has {entries})"
+        )
+        assert host.mount_point(mp["path"]).exists, f"{mp['path']} is not a mount point in the CT"
+        ro = host.run(f"test -w {mp['path']}").rc != 0
+        assert ro == bool(mp.get("read_only")), (
+            f"{mp['path']} is {'read-only' if ro else 'writable'} in the CT"
+        )

@@ -8,7 +8,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_devices import plan_devices
+from ansible.module_utils.pve_devices import plan_devices, plan_mount_points, repeated
 
 try:
     import requests
@@ -27,8 +27,8 @@ description:
   - C(action=probe) logs in, checks that the node is online and returns the container's config (or none),
     with a one-line error naming the API, the user or token, and the cause when it cannot.
   - C(action=devices) makes the container's devN entries exactly the given device paths, each once,
-    keeping the index of a path that is already there; devN entries are root@pam only on Proxmox,
-    so it needs a password login as root@pam.
+    keeping the index of a path that is already there, and its bind mount points (mpN with a host path)
+    exactly the given ones; both are root@pam only on Proxmox, so it needs a password login as root@pam.
 options:
   action: {description: probe or devices, type: str, choices: [probe, devices], default: probe}
   api_host: {description: API address, type: str, required: true}
@@ -44,6 +44,10 @@ options:
   vmid: {description: container id, type: int, required: true}
   devices:
     description: device paths for devN entries, in order
+    type: list
+    elements: dict
+  mount_points:
+    description: bind mounts for mpN entries (host_path, path, optionally read_only); storage volumes are kept
     type: list
     elements: dict
   restart: {description: restart the running container when an entry changed, type: bool, default: false}
@@ -163,24 +167,26 @@ def devices(module: AnsibleModule, api: Api) -> dict:
     p = module.params
     if p["api_token_id"] or p["api_user"] != "root@pam":
         module.fail_json(
-            msg=f"{api.where}: devN passthrough entries are root@pam only on Proxmox; {api.who} cannot "
-            "set them. Give pve_api_password for root@pam, or set ct_device_mode: raw"
+            msg=f"{api.where}: devN passthrough entries and bind mount points are root@pam only on Proxmox; "
+            f"{api.who} cannot set them. Give pve_api_password for root@pam, or set ct_device_mode: raw"
         )
-    wanted = p["devices"] or []
-    paths = [d["path"] for d in wanted]
-    dupes = sorted({x for x in paths if paths.count(x) > 1})
-    if dupes:
-        module.fail_json(msg=f"device list for CT {p['vmid']} names {dupes} more than once")
+    wanted, mounts = p["devices"] or [], p["mount_points"] or []
+    for what, entries in (("device list", wanted), ("mount point list", mounts)):
+        dupes = repeated([e["path"] for e in entries])
+        if dupes:
+            module.fail_json(msg=f"{what} for CT {p['vmid']} names {dupes} more than once")
     res = api.api.nodes(p["node"]).lxc(p["vmid"])
     current = api.call(lambda: res.config.get(), f"read CT {p['vmid']} config")
     sets, deletes = plan_devices(current, wanted)
+    mp_sets, mp_deletes = plan_mount_points(current, mounts)
+    sets, deletes = sets | mp_sets, deletes + mp_deletes
     result = {"changed": bool(sets or deletes), "set": sets, "deleted": deletes, "restarted": False}
     if module.check_mode or not result["changed"]:
         return result
     args = dict(sets)
     if deletes:
         args["delete"] = ",".join(deletes)
-    api.call(lambda: res.config.put(**args), f"set devN entries of CT {p['vmid']}", retries=0)
+    api.call(lambda: res.config.put(**args), f"set devN and mpN entries of CT {p['vmid']}", retries=0)
     if p["restart"]:
         status = api.call(lambda: res.status.current.get(), f"read CT {p['vmid']} status")
         if status.get("status") == "running":
@@ -219,6 +225,7 @@ def main() -> None:
             "node": {"type": "str", "required": True},
             "vmid": {"type": "int", "required": True},
             "devices": {"type": "list", "elements": "dict", "default": []},
+            "mount_points": {"type": "list", "elements": "dict", "default": []},
             "restart": {"type": "bool", "default": False},
         },
         required_together=[("api_token_id", "api_token_secret")],

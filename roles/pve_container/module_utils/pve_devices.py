@@ -37,3 +37,65 @@ def plan_devices(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
         if str(current.get(key)) != value(dev):
             sets[key] = value(dev)
     return sets, deletes
+
+
+MP_KEY = re.compile(r"^mp(\d+)$")
+
+
+def entry_order(key: str) -> tuple[str, int]:
+    """devN and mpN keys in pct's own order: dev0, dev1, ..., mp0, mp1, ..."""
+    prefix = key.rstrip("0123456789")
+    return prefix, int(key[len(prefix) :])
+
+
+def repeated(values: list[str]) -> list[str]:
+    return sorted({v for v in values if values.count(v) > 1})
+
+
+def _mount(value: str) -> tuple[str, dict[str, str]]:
+    """(volume, options) of an mpN value: "/mnt/pve/x,mp=/mnt/x,ro=1" (PVE prints the options in its own
+    order, fakepve sorts them: compared as a dict, never as text)."""
+    first, *rest = str(value).split(",")
+    options = dict(part.partition("=")[::2] for part in rest if part)
+    if first.startswith("volume="):
+        first = first.removeprefix("volume=")
+    return first, options
+
+
+def mount_value(mount: dict) -> str:
+    """The mpN value of a bind mount: HOST_PATH,mp=PATH[,ro=1]."""
+    value = f"{mount['host_path']},mp={mount['path']}"
+    return value + (",ro=1" if mount.get("read_only") else "")
+
+
+def plan_mount_points(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
+    """(mpN -> value to set, mpN to delete) for the bind mounts (a host path mounted at a CT path): each
+    wanted CT path exactly once, existing indexes kept. Storage volumes (local-lvm:vm-200-disk-1) hold data
+    and are never touched; a bind mount at a CT path not wanted is removed (the host's data stays)."""
+    by_path: dict[str, str] = {}
+    deletes: list[str] = []
+    taken: set[int] = set()
+    wanted_paths = {m["path"] for m in wanted}
+    for key in sorted((k for k in current if MP_KEY.match(k)), key=lambda k: int(k[2:])):
+        volume, options = _mount(current[key])
+        if not volume.startswith("/") or volume.startswith("/dev/"):
+            taken.add(int(key[2:]))  # a storage volume or a device: not ours
+            continue
+        path = options.get("mp", "")
+        if path in by_path or path not in wanted_paths:
+            deletes.append(key)
+        else:
+            by_path[path] = key
+    sets: dict[str, str] = {}
+    used = taken | {int(k[2:]) for k in by_path.values()}
+    for mount in wanted:
+        key = by_path.get(mount["path"])
+        if key is None:
+            index = next(i for i in range(256) if i not in used)
+            used.add(index)
+            key = f"mp{index}"
+            if key in deletes:
+                deletes.remove(key)
+        if key not in current or _mount(current[key]) != _mount(mount_value(mount)):
+            sets[key] = mount_value(mount)
+    return sets, deletes

@@ -1,0 +1,110 @@
+"""One job on two lab CTs (inventory/lab-multinode): each CT's own dflash-train.service as
+roles/training_job and roles/trainer_service installed it, one rank each over gloo on loopback addresses,
+checkpoints on the shared storage that roles/pve_container binds into both. Start, READY on both, the
+leader's STATUS, a graceful stop from the leader's CT (one checkpoint, both units end as success), the
+resume on both, a node's unit killed (the other CT's unit fails within seconds naming it), systemd's restart
+of both and the resume after it."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from tests.multinode.conftest import CHECKPOINTS, SHARED
+from tests.service import lab
+
+START_S = 300  # both units' preflight, imports and load on a contended 2-core machine
+
+
+def active(ct: str) -> bool:
+    return lab.show("ActiveState", ct=ct) == "active"
+
+
+def start_both(cts) -> None:
+    for ct in cts:
+        lab.sh("systemctl start --no-block dflash-train", ct=ct)
+    for ct in cts:
+        lab.wait_for(lambda c=ct: active(c), START_S, f"dflash-train READY in {ct}")
+
+
+def checkpoints(ct: str) -> list[int]:
+    out = lab.sh(f"ls {CHECKPOINTS} 2>/dev/null || true", ct=ct).stdout.split()
+    return sorted(int(n.split("-")[1]) for n in out if n.startswith("step-"))
+
+
+def test_the_shared_storage_is_one_directory_in_both_cts(cts) -> None:
+    a, b = cts
+    lab.sh(f"echo from-{a} > {SHARED}/probe-{a}", ct=a)
+    try:
+        assert lab.sh(f"cat {SHARED}/probe-{a}", ct=b).stdout.strip() == f"from-{a}"
+    finally:
+        lab.sh(f"rm -f {SHARED}/probe-{a}", ct=a)
+
+
+def test_two_cts_ready_stop_resume_and_a_node_killed(job) -> None:
+    cts = job
+    cursors = {ct: lab.cursor(ct) for ct in cts}
+    start_both(cts)
+    for ct in cts:
+        lab.wait_for(
+            lambda c=ct: lab.show("StatusText", ct=c).startswith("step"), 120, f"a step in {ct}'s STATUS"
+        )
+    statuses = {ct: lab.show("StatusText", ct=ct) for ct in cts}
+    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", statuses[ct]))
+    other = next(ct for ct in cts if ct != leader)
+    assert "the job's leader reports loss" in statuses[other], statuses
+    started = {ct: lab.journal(cursors[ct], ct=ct) for ct in cts}
+    for ct in cts:  # every node's journal names its node and ranks
+        assert re.search(r"node \d launcher: node \d \(\S+, ranks? \d", started[ct]), started[ct]
+
+    # `systemctl stop` on the leader's CT: one checkpoint, both units end as success.
+    t0 = time.monotonic()
+    lab.sh("systemctl stop dflash-train", ct=leader, timeout=180)
+    lab.wait_for(lambda: not active(other), 60, f"{other}'s unit to end")
+    stop_s = time.monotonic() - t0
+    assert [lab.show("ActiveState", ct=ct) for ct in cts] == ["inactive", "inactive"]  # failed stays "failed"
+    log = lab.journal(cursors[leader], ct=leader)
+    assert "stopped at step" in log, log
+    step = int(log.split("stopped at step ")[1].split(";")[0])
+    assert checkpoints(other)[-1] == step, (step, checkpoints(other))  # the other CT sees the stop's save
+    print(f"\nstopped at step {step}: both units ended {stop_s:.1f} s after `systemctl stop` on {leader}")
+
+    # Both again: they resume from it; then node 1's unit is killed whole and node 0's fails naming it.
+    cursors = {ct: lab.cursor(ct) for ct in cts}
+    start_both(cts)
+    resumed = f"resumed from {CHECKPOINTS}/step-{step:08d} (step {step})"
+    lab.wait_for(lambda: any(resumed in lab.journal(cursors[ct], ct=ct) for ct in cts), 60, "the resume line")
+    nodes = {
+        ct: int(re.search(r"node (\d) launcher: node \d \(", lab.journal(cursors[ct], ct=ct)).group(1))
+        for ct in cts
+    }
+    victim = next(ct for ct in cts if nodes[ct] == 1)
+    survivor = next(ct for ct in cts if ct != victim)
+    restarts = {ct: int(lab.show("NRestarts", ct=ct)) for ct in cts}
+    killed = {ct: lab.cursor(ct) for ct in cts}
+    t0 = time.monotonic()
+    lab.sh("systemctl kill -s SIGKILL --kill-whom=all dflash-train", ct=victim)
+    lab.wait_for(
+        lambda: int(lab.show("NRestarts", ct=survivor)) > restarts[survivor], 60, f"{survivor} to fail"
+    )
+    took = time.monotonic() - t0
+    log = lab.journal(killed[survivor], ct=survivor)
+    assert re.search(r"node 1 \(\S+, rank 1\) lost", log), log
+    assert took < 30, f"{took:.1f} s"
+    print(f"{victim}'s unit killed: {survivor}'s unit failed {took:.1f} s later, naming node 1")
+
+    # Restart=on-failure starts both again; they meet in the rendezvous and resume from the newest checkpoint.
+    newest = checkpoints(survivor)[-1]
+    assert int(lab.show("NRestarts", ct=victim)) > restarts[victim]
+    for ct in cts:
+        lab.wait_for(lambda c=ct: active(c), START_S, f"{ct} READY again")
+    resumed = f"resumed from {CHECKPOINTS}/step-{newest:08d} (step {newest})"
+    lab.wait_for(
+        lambda: any(resumed in lab.journal(killed[ct], ct=ct) for ct in cts), 60, "the resume after the kill"
+    )
+    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)))
+    lab.sh("systemctl stop dflash-train", ct=leader, timeout=180)
+    lab.wait_for(
+        lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
+    )
+    print(f"both restarted by systemd, resumed at step {newest}, stopped as success")

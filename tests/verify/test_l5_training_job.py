@@ -1,0 +1,45 @@
+"""L5, the CTs of one multi-node job (the group training_job; roles/training_job): the checkpoint directory is
+one directory for the whole job (a file one CT writes, every other CT reads), and the job's interface exists.
+
+Runs against any inventory; an inventory without the group has no host to check here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.verify.backends import host_for
+from tests.verify.conftest import _inventory, group_hosts
+
+GROUP = "training_job"
+
+
+def test_job_interface_exists(host, hostvars: dict[str, Any]) -> None:
+    ifname = hostvars.get("training_job_socket_ifname", "eth0")
+    assert host.run(f"test -e /sys/class/net/{ifname}").rc == 0, (
+        f"no interface {ifname} (training_job_socket_ifname)"
+    )
+
+
+def test_checkpoint_dir_is_shared_by_every_ct_of_the_job(
+    request: pytest.FixtureRequest, host, inventory_hostname: str, hostvars: dict[str, Any]
+) -> None:
+    path = hostvars["training_job_checkpoint_dir"]
+    assert host.file(path).is_directory, f"training_job_checkpoint_dir {path} is not a directory"
+    marker = f"{path}/.verify-{inventory_hostname}-{uuid.uuid4().hex[:8]}"
+    assert host.run(f"echo {inventory_hostname} > {marker}").rc == 0, f"cannot write {marker}"
+    try:
+        all_hostvars = _inventory(request.config)["_meta"]["hostvars"]
+        for peer in group_hosts(request.config, GROUP):
+            if peer == inventory_hostname:
+                continue
+            seen = host_for(peer, all_hostvars[peer], all_hostvars).run(f"cat {marker}")
+            assert seen.stdout.strip() == inventory_hostname, (
+                f"{peer} cannot see {marker}, which {inventory_hostname} wrote: {path} is not one shared "
+                "directory"
+            )
+    finally:
+        host.run(f"rm -f {marker}")
