@@ -36,18 +36,23 @@ elif [ "$gpus" -ge 2 ]; then
 else
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
 fi
-want load-grid && run load-grid 120 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid
-if want target; then
-  rm -rf /var/tmp/target-traces
-  run target 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
-    --trace-dir /var/tmp/target-traces --out "$OUT/target.json" --variant fp32-reference eager eager-plain \
-    compiled-mlp graph graph-plain graph-mlp graph-mlp-norm
-  tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
+# issue 17's sections; what they vary can be narrowed for one call: LOAD_GRID_ARGS, TARGET_VARIANTS, DRAFTER_CHUNKS
+if want load-grid; then
+  # shellcheck disable=SC2086  # a list of arguments
+  run load-grid 120 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid ${LOAD_GRID_ARGS:-}
 fi
 if want drafter-chunks; then
-  for chunk in 8192 2048; do
-    run "drafter-$chunk" 280 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 \
+  for chunk in ${DRAFTER_CHUNKS:-8192 2048}; do
+    run "drafter-$chunk" 240 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 \
       --no-extras --no-check --loss-chunk "$chunk" --out "$OUT/drafter-$chunk.json"
   done
+fi
+if want target; then
+  rm -rf /var/tmp/target-traces
+  # shellcheck disable=SC2086  # a list of variants
+  run target 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
+    --trace-dir /var/tmp/target-traces --out "$OUT/target.json" --variant ${TARGET_VARIANTS:-fp32-reference \
+    eager eager-plain compiled-mlp graph graph-plain graph-mlp graph-mlp-norm}
+  tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
 fi
 want gputests && run gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/dev/shm", help="where the model is written (a tmpfs)")
     parser.add_argument("--tensor-mb", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--chunk-mb", type=int, default=16)
+    parser.add_argument("--chunk-mb", type=int, default=8)
     parser.add_argument("--buffers", type=int, default=12)
     parser.add_argument("--readers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--sweep", action="store_true", help="also try a few reader/chunk settings")

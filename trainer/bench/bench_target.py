@@ -15,6 +15,8 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   graph              the unpadded capture (TargetModel.unpadded_features) replayed from a CUDA graph
   graph-plain        the plain forward replayed from a CUDA graph: the base of graph's capture overhead
   graph-mlp          compiled-mlp inside the CUDA graph; graph-mlp-norm: compiled-mlp-norm inside it
+  compiled-layers-opaque  each whole layer compiled, the linear-attention kernels opaque to dynamo;
+  graph-layers-opaque     the same inside the CUDA graph
 Each row: median ms (wall, synchronised), the host's enqueue time of one call (no sync: when it is close to
 the wall time, the forward is bound by launching kernels), tokens/s, TFLOP/s and MFU against 989 TFLOP/s
 (H100/H200 dense bf16) and against the bf16 matmul rate measured in the same run (FLOPs: 2 x layer parameters
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import gzip
 import json
 import re
@@ -87,6 +90,8 @@ VARIANTS: dict[str, Variant] = {
     "graph-plain": Variant(graph=True, capture=False),
     "graph-mlp": Variant("mlp", graph=True),
     "graph-mlp-norm": Variant("mlp-norm", graph=True),
+    "compiled-layers-opaque": Variant("layers-opaque"),
+    "graph-layers-opaque": Variant("layers-opaque", graph=True),
 }
 DEFAULT_VARIANTS = ["eager", "eager-plain", "compiled-mlp", "graph", "graph-plain", "graph-mlp"]
 OVERHEAD_PAIRS = (("eager", "eager-plain"), ("graph", "graph-plain"))  # capture against the plain forward
@@ -274,6 +279,7 @@ def run_variant(
     except Exception as exc:
         row["timeline_error"] = failure(exc)
     del target
+    gc.collect()  # the capture hooks hold the model in a reference cycle: free it before the next variant
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -50,6 +50,15 @@ def test_compile_scopes_checked(tiny_target) -> None:
         compile_layers(target, "everything")
 
 
+def test_compiled_layers_with_opaque_kernels_equal_eager(tiny_target) -> None:
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    ids = _ids(0)
+    expected = target.capture(ids).context
+    compile_layers(target, "layers-opaque")
+    torch.testing.assert_close(target.capture(ids).context, expected, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_graphed_forward_needs_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         GraphedForward(lambda x: x * 2, torch.zeros(3))

@@ -147,9 +147,10 @@ class Loader:
         self,
         device: str | torch.device = "cpu",
         *,
-        # The best of bench_load.py --sweep on an H200 host (32 CPUs, 2026-11-29): 30.8 GB/s against 18.0 GB/s
-        # with 64 MiB x 6; docs/data-layer.md. Readers are capped by the CPUs there are.
-        chunk_mb: int = 16,
+        # bench_load.py on H200 hosts: 16 MiB x 12 (30.8 GB/s against 18.0 with 64 MiB x 6, 2026-11-29); 8 MiB
+        # x 12 buffers, 12 readers: 45.4 GB/s median against 39.3 with 16 MiB in the same run (--grid,
+        # 2026-12-02; docs/benchmarks.md). Readers are capped by the CPUs there are.
+        chunk_mb: int = 8,
         num_buffers: int = 12,
         readers: int = min(12, os.cpu_count() or 1),
         method: str = "pinned",

@@ -139,19 +139,43 @@ class TargetModel:
             self._captured.clear()
 
 
-COMPILE_SCOPES = ("layers", "mlp", "mlp-norm")
+COMPILE_SCOPES = ("layers", "mlp", "mlp-norm", "layers-opaque")
+# The linear-attention kernels of the hybrid targets, by their names in transformers' modelling modules.
+_KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn")
+_OPAQUE = "_dflash_opaque_to_dynamo"
+
+
+def _kernels_opaque_to_dynamo() -> None:
+    """The Gated DeltaNet's kernels behind torch.compiler.disable: dynamo traced FLA's Triton kernels badly
+    (scope "layers": 10 graphs, 2.3x slower); as opaque calls, the compiled graphs end before them and resume
+    after, so the casts, copies and norms around them still fuse. Outside a compiled region a no-op;
+    idempotent (the device dispatch's marks travel with functools.wraps)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    for module in (modeling_qwen3_5, modeling_qwen3_next):
+        for name in _KERNEL_NAMES:
+            fn = getattr(module, name, None)
+            if fn is not None and not getattr(fn, _OPAQUE, False):
+                opaque = torch.compiler.disable(fn)
+                setattr(opaque, _OPAQUE, True)
+                setattr(module, name, opaque)
 
 
 def compile_layers(target: TargetModel, scope: str = "layers") -> None:
     """torch.compile the target's decoder layers at fixed shapes (issue 17: elementwise kernels were a quarter
     of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
     module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
-    "mlp-norm": those and the Gated DeltaNet's gated RMSNorm. Parameter names, and with them the fast load
-    and the decode walk, are unchanged."""
+    "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward with the
+    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`). Parameter names, and with them the
+    fast load and the decode walk, are unchanged."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
+    if scope == "layers-opaque":
+        install_device_dispatch()  # first, so that the opaque wrappers wrap the dispatch
+        _kernels_opaque_to_dynamo()
     for layer in target.model.model.layers:
-        if scope == "layers":
+        if scope in ("layers", "layers-opaque"):
             layer.forward = torch.compile(layer.forward, dynamic=False)
             continue
         parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
