@@ -35,13 +35,14 @@ lint: bootstrap ## ansible-lint (production profile), yamllint, ruff
 	ruff format --check .
 
 .PHONY: test
-test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios
+test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios, the two-CT lab
 	@# torchrun's agents leave /tmp/torchelastic_* behind: the trainer's tests get a TMPDIR of their own.
 	tmp=$$(mktemp -d /tmp/dflash-trainer-tests.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
 	  TMPDIR=$$tmp $(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
 	$(PY) -m pytest -q -m "not slow" tests/lab tests/inventory tests/molecule
 	scripts/molecule_all.sh
 	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
+	$(MAKE) --no-print-directory test-multinode
 
 .PHONY: test-slow
 test-slow: bootstrap lab ## the long checks: slow molecule scenarios (DKMS build) and slow tests
