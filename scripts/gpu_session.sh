@@ -5,7 +5,7 @@
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), then
 # scripts/gpu_rehearsal.sh, then the drafter benchmark with a profile of its step, the target forward's
-# benchmark (eager against compiled layers), then our step against SpecForge's (issue 17; carry its wheel,
+# benchmark (its default variants: eager and compiled layers in a CUDA graph, each with its plain forward), then our step against SpecForge's (issue 17; carry its wheel,
 # specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
@@ -26,7 +26,7 @@ start)
     echo "=== drafter step: the loss softmax in Triton and in torch side by side, profiled ($(date -u +%T))"
     timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
       --no-check --loss fused fused-torch --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
-    echo "=== target forward with capture: eager against compiled layers ($(date -u +%T))"
+    echo "=== target forward with capture: eager against compiled layers in a CUDA graph ($(date -u +%T))"
     timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
       2>&1 | grep -v "^Loading weights" | tail -n 8
     echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
