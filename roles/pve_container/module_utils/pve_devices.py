@@ -24,19 +24,28 @@ def plan_devices(current: dict, wanted: list[dict]) -> tuple[dict, list[str]]:
             deletes.append(key)  # a duplicate or a device no longer wanted
         else:
             by_path[path] = key
-    sets: dict[str, str] = {}
     used = {int(k[3:]) for k in by_path.values()}
-    for dev in wanted:
-        key = by_path.get(dev["path"])
+    sets = _place(
+        "dev", current, wanted, by_path, deletes, used, value, lambda old, dev: str(old) == value(dev)
+    )
+    return sets, deletes
+
+
+def _place(prefix, current, wanted, by_path, deletes, used, value, same) -> dict[str, str]:
+    """The entries to set: each wanted one at the key its path already has, else at the first free index
+    (taken back from the deletes when it was one), set where the current value is not the same."""
+    sets: dict[str, str] = {}
+    for entry in wanted:
+        key = by_path.get(entry["path"])
         if key is None:
             index = next(i for i in range(256) if i not in used)
             used.add(index)
-            key = f"dev{index}"
+            key = f"{prefix}{index}"
             if key in deletes:
                 deletes.remove(key)
-        if str(current.get(key)) != value(dev):
-            sets[key] = value(dev)
-    return sets, deletes
+        if key not in current or not same(current[key], entry):
+            sets[key] = value(entry)
+    return sets
 
 
 MP_KEY = re.compile(r"^mp(\d+)$")
@@ -86,16 +95,15 @@ def plan_mount_points(current: dict, wanted: list[dict]) -> tuple[dict, list[str
             deletes.append(key)
         else:
             by_path[path] = key
-    sets: dict[str, str] = {}
     used = taken | {int(k[2:]) for k in by_path.values()}
-    for mount in wanted:
-        key = by_path.get(mount["path"])
-        if key is None:
-            index = next(i for i in range(256) if i not in used)
-            used.add(index)
-            key = f"mp{index}"
-            if key in deletes:
-                deletes.remove(key)
-        if key not in current or _mount(current[key]) != _mount(mount_value(mount)):
-            sets[key] = mount_value(mount)
+    sets = _place(
+        "mp",
+        current,
+        wanted,
+        by_path,
+        deletes,
+        used,
+        mount_value,
+        lambda old, mount: _mount(old) == _mount(mount_value(mount)),
+    )
     return sets, deletes
