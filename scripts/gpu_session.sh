@@ -6,7 +6,8 @@
 # decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), then
 # scripts/gpu_rehearsal.sh, then the drafter benchmark with a profile of its step, the target forward's
 # benchmark (its default variants: eager and compiled layers in a CUDA graph, each with its plain forward), then our step against SpecForge's (issue 17; carry its wheel,
-# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). `poll` waits, then copies the
+# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies; SESSION_BENCHES=0 skips
+# the three benchmarks). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
@@ -23,15 +24,17 @@ start)
     echo "=== rehearsal ($(date -u +%T))"
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
-    echo "=== drafter step: the loss softmax in Triton and in torch side by side, profiled ($(date -u +%T))"
-    timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
-      --no-check --loss fused fused-torch --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
-    echo "=== target forward with capture: eager against compiled layers in a CUDA graph ($(date -u +%T))"
-    timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
-      2>&1 | grep -v "^Loading weights" | tail -n 8
-    echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
-    timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
-      tail -n 4
+    if [ "${SESSION_BENCHES:-1}" = 1 ]; then
+      echo "=== drafter step: the loss softmax in Triton and in torch side by side, profiled ($(date -u +%T))"
+      timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
+        --no-check --loss fused fused-torch --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+      echo "=== target forward with capture: eager against compiled layers in a CUDA graph ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
+        2>&1 | grep -v "^Loading weights" | tail -n 8
+      echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
+        tail -n 4
+    fi
     echo "session exit $rc ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
   echo "gpu session: started (pid $!); log $LOG"
   ;;
