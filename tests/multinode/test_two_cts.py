@@ -108,3 +108,51 @@ def test_two_cts_ready_stop_resume_and_a_node_killed(job) -> None:
         lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
     )
     print(f"both restarted by systemd, resumed at step {newest}, stopped as success")
+
+
+def test_a_node_rebooted_stops_the_job_with_a_checkpoint_and_it_resumes_when_back(job) -> None:
+    """A CT's host shutting down (here the CT's own `systemctl reboot`: systemd stops the unit as a host's
+    shutdown does) stops the job gracefully with one checkpoint; the other CT's unit fails naming the node
+    that left, systemd restarts it to wait in the rendezvous, the rebooted CT's enabled unit starts at boot,
+    and the job resumes on both from the checkpoint of the shutdown."""
+    cts = job
+    cursors = {ct: lab.cursor(ct) for ct in cts}
+    start_both(cts)
+    lab.wait_for(
+        lambda: any(re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)) for ct in cts), 120, "a step"
+    )
+    rebooted, other = cts[1], cts[0]
+    assert lab.show("UnitFileState", ct=rebooted) == "enabled", "the unit must start at boot"
+    restarts = int(lab.show("NRestarts", ct=other))
+    lab.sh("systemctl reboot", ct=rebooted, check=False)  # the attach may end with the container's shutdown
+    t0 = time.monotonic()
+    lab.wait_for(lambda: int(lab.show("NRestarts", ct=other)) > restarts, 120, f"{other}'s unit to restart")
+    log = lab.journal(cursors[other], ct=other)
+    assert re.search(
+        rf"node \d \({rebooted}, rank \d\) left: its host {rebooted} is shutting down or rebooting", log
+    ), log
+    print(
+        f"\n{other}'s unit restarted {time.monotonic() - t0:.1f} s after the reboot of {rebooted}, naming it"
+    )
+
+    def booted() -> bool:
+        return lab.sh("systemctl is-system-running", ct=rebooted, check=False).stdout.strip() in (
+            "running",
+            "degraded",
+        )
+
+    lab.wait_for(booted, 300, f"{rebooted} to boot again", interval=2)
+    for ct in cts:
+        lab.wait_for(lambda c=ct: active(c), START_S, f"{ct} READY after the reboot")
+    # The drafter leader's line of the shutdown's save, on whichever CT it ran (journals outlive the reboot).
+    stops = re.findall(r"stopped at step (\d+);", "".join(lab.journal(cursors[ct], ct=ct) for ct in cts))
+    assert len(stops) == 1, stops
+    saved = int(stops[0])
+    resumed = f"resumed from {CHECKPOINTS}/step-{saved:08d} (step {saved})"
+    lab.wait_for(lambda: any(resumed in lab.journal(cursors[ct], ct=ct) for ct in cts), 60, "the resume line")
+    print(f"{rebooted} back: the job resumed at step {saved}, the checkpoint of its shutdown")
+    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)))
+    lab.sh("systemctl stop dflash-train", ct=leader, timeout=180)
+    lab.wait_for(
+        lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
+    )

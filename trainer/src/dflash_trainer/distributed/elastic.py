@@ -17,9 +17,13 @@ What this thin supervisor adds, for the unit's contracts (the same as the one-ho
 - a failure stop SIGKILLs this node's ranks at once (`_Agent._shutdown`): they would hang in their next
   collective, and a save now would mix steps;
 - `NodeWatch`: every launcher beats a counter in the job's store; a node silent for `node_dead_after_s` (its
-  unit killed, its host rebooted) or gone with the store it hosted is named in the log, this node's ranks are
+  unit killed, its host crashed) or gone with the store it hosted is named in the log, this node's ranks are
   killed and the launcher exits 1 (Restart=on-failure starts it again; the job resumes when the nodes meet
   again in the rendezvous);
+- a node whose host shuts down or reboots (systemd stopping, so the unit's SIGTERM is the host's, not an
+  operator's `systemctl stop`) says so in the store: the job stops gracefully with one checkpoint as for any
+  stop, that node's unit ends as success, and every other node's launcher exits EXIT_NODE_LEFT naming it, so
+  that systemd restarts those units and they wait in the rendezvous until the node is back;
 - ranks get DFLASH_LAUNCHER_PID and set PR_SET_PDEATHSIG themselves (service/run.py): the agent's Popen has no
   hook for it, and no rank may outlive a launcher killed by the watchdog.
 """
@@ -41,6 +45,7 @@ from typing import Any
 log = logging.getLogger("dflash_trainer.launch")
 
 EXIT_PEER = 3  # distributed/failure.py: a rank that stopped because a peer failed or vanished
+EXIT_NODE_LEFT = 75  # EX_TEMPFAIL: the job stopped cleanly because a node's host went down; restart and wait
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class NodeWatch:
         self.store.set(f"name/{node}", name)
         self.names: dict[int, str] = {node: name}
         self.lost: str | None = None
+        self.left: str | None = None  # a peer that announced its host's shutdown (announce_leaving)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
 
@@ -127,6 +133,7 @@ class NodeWatch:
                 now = time.monotonic()
                 for g in peers:
                     self._name(g)
+                    self._check_left(g)
                     if self.store.add(f"done/{g}", 0):
                         continue  # its ranks finished cleanly; it may leave before us
                     if self.store.check([f"failed/{g}"]):
@@ -152,6 +159,23 @@ class NodeWatch:
                 )
                 return
 
+    def _check_left(self, g: int) -> None:
+        if self.left is None and self.store.check([f"leaving/{g}"]):
+            self.left = f"{self._name(g)} left: {self.store.get(f'leaving/{g}').decode()}"
+
+    def refresh_left(self) -> str | None:
+        """`left`, read from the store now (the job may have drained between two beats)."""
+        for g in range(self.nodes):
+            if g != self.node:
+                with contextlib.suppress(Exception):
+                    self._check_left(g)
+        return self.left
+
+    def announce_leaving(self, reason: str) -> None:
+        """This node goes away on purpose (its host shuts down): the other nodes restart and wait for it."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"leaving/{self.node}", reason)
+
     def report_failure(self, cause: str) -> None:
         with contextlib.suppress(Exception):
             self.store.set(f"failed/{self.node}", cause)
@@ -164,6 +188,20 @@ class NodeWatch:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def host_shutting_down() -> bool:
+    """Whether this machine's (or CT's) systemd is shutting down or rebooting: `systemctl is-system-running`
+    prints "stopping" then (systemctl(1)); anything else, or no systemd, is an ordinary stop."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["systemctl", "is-system-running"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.stdout.strip() == "stopping"
 
 
 def _agent_class() -> type:
@@ -241,6 +279,7 @@ def run_job(opts: JobOptions, command: list[str], launched: float) -> int:
                 handler.shutdown()  # closes this rendezvous round, as launch_agent does
 
     stopping = threading.Event()
+    leaving: list[str] = []  # set by the signal handler, told to the other nodes by the main loop
 
     def forward(signum: int, _frame: object) -> None:
         pids = _pids(agent)
@@ -249,6 +288,8 @@ def run_job(opts: JobOptions, command: list[str], launched: float) -> int:
             os._exit(0)
         if not stopping.is_set():
             log.info("%s: asking %d rank(s) to save and exit", signal.Signals(signum).name, len(pids))
+            if signum == signal.SIGTERM and host_shutting_down():
+                leaving.append(f"its host {host} is shutting down or rebooting")
         stopping.set()
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
@@ -298,6 +339,9 @@ def run_job(opts: JobOptions, command: list[str], launched: float) -> int:
                 _kill(agent)
                 thread.join(30)
                 return 1
+        if watch is not None and leaving:
+            log.info("%s: telling the other nodes that %s", me, leaving[0])
+            watch.announce_leaving(leaving.pop())
         if watch is not None and watch.lost and not _finished(agent):
             log.error("%s; stopping this node's ranks", watch.lost)
             _kill(agent)
@@ -310,6 +354,14 @@ def run_job(opts: JobOptions, command: list[str], launched: float) -> int:
             watch.finish()
         how = "stopped" if stopping.is_set() else "finished"
         log.info("%s: all %d rank(s) %s cleanly", me, opts.nproc_per_node, how)
+        if watch is not None and not stopping.is_set() and watch.refresh_left():
+            log.error(
+                "%s; the job stopped with its checkpoint: exiting %d so that systemd starts this unit again, "
+                "to wait in the rendezvous until that node is back",
+                watch.left,
+                EXIT_NODE_LEFT,
+            )
+            return EXIT_NODE_LEFT
         return 0
     if result is None:
         error = box.get("error")

@@ -180,7 +180,9 @@ def report(out: Path, *, steps: int, stop_at: int, t0: float | None) -> int:
         for s in sorted(all2, key=lambda s: s["rank"]):
             rate = s.get("tokens_per_s")
             lines.append(
-                f"rank {s['rank']} {s['role']}: {rate:.0f} tokens/s" if rate else f"rank {s['rank']}: no rate"
+                f"rank {s['rank']} {s['role']}: {rate:.0f} tokens/s"
+                if rate
+                else f"rank {s['rank']} {s['role']}: no step rate (a target's is in the pipeline table above)"
             )
             for dev, n in s["peak_memory_bytes"].items():
                 lines.append(f"  peak memory {dev}: {_gib(n)}")
