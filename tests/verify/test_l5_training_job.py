@@ -43,3 +43,13 @@ def test_checkpoint_dir_is_shared_by_every_ct_of_the_job(
             )
     finally:
         host.run(f"rm -f {marker}")
+
+
+def test_rdma_devices_are_character_devices_in_the_ct(host, hostvars: dict[str, Any]) -> None:
+    devices = hostvars.get("training_job_rdma_devices") or []
+    if not devices:
+        pytest.skip("training_job_rdma_devices is empty: NCCL runs over the job's interface")
+    missing = [d for d in devices if host.run(f"test -c /dev/{d}").rc != 0]
+    assert not missing, f"not character devices in the CT: {missing} (list them in ct_gpu_extra_devices too)"
+    memlock = host.run("sh -c 'ulimit -Hl'").stdout.strip()
+    assert memlock == "unlimited", f"RDMA registers pinned memory: the CT's hard memlock is {memlock}"
