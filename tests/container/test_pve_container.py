@@ -339,3 +339,13 @@ def test_mount_points_are_bind_mpn_entries_kept_exactly(pve, play, lab, tmp_path
     assert "/mnt/x" not in str(pve.ct(200).config)
     relative = play(ct_mount_points=[{"host_path": str(shared), "path": "mnt/x"}])
     assert relative.rc != 0 and "ct_mount_points must be a list of" in relative.error()
+    # Raw mode (no pct, no root@pam): the lines Proxmox would write for them, owned by the role, once each.
+    both = [*wanted, {**wanted[0], "path": "/mnt/ro", "read_only": True}]
+    raw = play(ct_mount_points=both, ct_device_mode="raw")
+    assert raw.rc == 0, raw.error()
+    lines = Path(lab["ct_pve_conf_dir"], "200.conf").read_text().splitlines()
+    assert [ln for ln in lines if " none bind,create=dir" in ln or " none ro,bind,create=dir" in ln] == [
+        f"lxc.mount.entry: {shared} mnt/dflash-shared none bind,create=dir 0 0",
+        f"lxc.mount.entry: {shared} mnt/ro none ro,bind,create=dir 0 0",
+    ]
+    assert play(ct_mount_points=both, ct_device_mode="raw").changed == 0

@@ -8,7 +8,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_devices import plan_devices, plan_mount_points, repeated
+from ansible.module_utils.pve_devices import plan_entries, repeated_paths
 
 try:
     import requests
@@ -171,15 +171,12 @@ def devices(module: AnsibleModule, api: Api) -> dict:
             f"{api.who} cannot set them. Give pve_api_password for root@pam, or set ct_device_mode: raw"
         )
     wanted, mounts = p["devices"] or [], p["mount_points"] or []
-    for what, entries in (("device list", wanted), ("mount point list", mounts)):
-        dupes = repeated([e["path"] for e in entries])
-        if dupes:
-            module.fail_json(msg=f"{what} for CT {p['vmid']} names {dupes} more than once")
+    problem = repeated_paths(p["vmid"], wanted, mounts)
+    if problem:
+        module.fail_json(msg=problem)
     res = api.api.nodes(p["node"]).lxc(p["vmid"])
     current = api.call(lambda: res.config.get(), f"read CT {p['vmid']} config")
-    sets, deletes = plan_devices(current, wanted)
-    mp_sets, mp_deletes = plan_mount_points(current, mounts)
-    sets, deletes = sets | mp_sets, deletes + mp_deletes
+    sets, deletes = plan_entries(current, wanted, mounts)
     result = {"changed": bool(sets or deletes), "set": sets, "deleted": deletes, "restarted": False}
     if module.check_mode or not result["changed"]:
         return result

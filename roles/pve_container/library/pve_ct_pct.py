@@ -6,7 +6,7 @@ Proxmox host."""
 from __future__ import annotations
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_devices import entry_order, plan_devices, plan_mount_points, repeated
+from ansible.module_utils.pve_devices import entry_order, plan_entries, repeated_paths
 
 DOCUMENTATION = r"""
 module: pve_ct_pct
@@ -61,18 +61,14 @@ def main() -> None:
         module.fail_json(
             msg=f"pct is not on this host's PATH: is it the Proxmox host of CT {p['vmid']} (ct_proxmox_host)?"
         )
-    for what, entries in (("device list", p["devices"]), ("mount point list", p["mount_points"])):
-        dupes = repeated([e["path"] for e in entries])
-        if dupes:
-            module.fail_json(msg=f"{what} for CT {p['vmid']} names {dupes} more than once")
+    problem = repeated_paths(p["vmid"], p["devices"], p["mount_points"])
+    if problem:
+        module.fail_json(msg=problem)
     rc, out, err = module.run_command([pct, "config", str(p["vmid"])])
     if rc != 0:
         cause = " ".join(err.split()) or out.strip()
         module.fail_json(msg=f"pct config {p['vmid']} failed (rc {rc}): {cause}")
-    config = parse_config(out)
-    sets, deletes = plan_devices(config, p["devices"])
-    mp_sets, mp_deletes = plan_mount_points(config, p["mount_points"])
-    sets, deletes = sets | mp_sets, deletes + mp_deletes
+    sets, deletes = plan_entries(parse_config(out), p["devices"], p["mount_points"])
     result = {"changed": bool(sets or deletes), "set": sets, "deleted": deletes}
     if module.check_mode or not result["changed"]:
         module.exit_json(**result)
