@@ -38,12 +38,11 @@ class LabSettings:
     seed: int
     wheel_dirs: tuple[Path, ...]
     containers: tuple[ContainerSpec, ...]
-    shared_storage_host_path: str
 
     @property
     def shared_storage_dir(self) -> Path:
         """The lab's stand-in for an NFS export: one directory of this machine, mounted on the host's stand-in
-        at shared_storage_host_path as PVE mounts a shared storage at /mnt/pve/NAME."""
+        at lab_shared_storage_host_path as PVE mounts a shared storage at /mnt/pve/NAME."""
         return shared_storage_dir(self.lab_dir)
 
     @property
@@ -131,9 +130,11 @@ def load_settings(inventory: Path) -> LabSettings:
         raise LabError(
             f"inventory {inventory}: lab_shared_storage_host_path must be absolute, got {storage_host_path}"
         )
-    storage = ((shared_storage_dir(lab_dir), storage_host_path),)
+    storage_dir = shared_storage_dir(lab_dir)
     containers = [
-        ContainerSpec(name=h, role="host", shm_size_mb=None, memory_mb=None, binds=storage)
+        ContainerSpec(
+            name=h, role="host", shm_size_mb=None, memory_mb=None, binds=((storage_dir, storage_host_path),)
+        )
         for h in groups["proxmox_hosts"]
     ]
     for h in groups["training_cts"]:
@@ -145,7 +146,7 @@ def load_settings(inventory: Path) -> LabSettings:
                 shm_size_mb=_require(v, "ct_shm_size_mb", int, inventory),
                 memory_mb=_require(v, "ct_memory_mb", int, inventory),
                 binds=mount_point_binds(
-                    h, v.get("ct_mount_points", []), storage[0][0], storage_host_path, inventory
+                    h, v.get("ct_mount_points", []), storage_dir, storage_host_path, inventory
                 ),
             )
         )
@@ -165,5 +166,4 @@ def load_settings(inventory: Path) -> LabSettings:
         seed=get("lab_seed", int),
         wheel_dirs=tuple(Path(p) for p in get("lab_wheel_dirs", list)),
         containers=tuple(containers),
-        shared_storage_host_path=storage_host_path,
     )

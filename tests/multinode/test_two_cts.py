@@ -20,6 +20,23 @@ def active(ct: str) -> bool:
     return lab.show("ActiveState", ct=ct) == "active"
 
 
+def leader_ct(cts) -> str | None:
+    """The CT whose unit's STATUS carries the loss: the drafter leader's."""
+    return next((ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct))), None)
+
+
+def stop_from_leader(cts) -> None:
+    """`systemctl stop` on the leader's CT; both units end as success ("failed" would stay failed)."""
+    lab.sh(
+        "systemctl stop dflash-train",
+        ct=lab.wait_for(lambda: leader_ct(cts), 60, "the leader's STATUS"),
+        timeout=180,
+    )
+    lab.wait_for(
+        lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
+    )
+
+
 def start_both(cts) -> None:
     for ct in cts:
         lab.sh("systemctl start --no-block dflash-train", ct=ct)
@@ -28,8 +45,7 @@ def start_both(cts) -> None:
 
 
 def checkpoints(ct: str) -> list[int]:
-    out = lab.sh(f"ls {CHECKPOINTS} 2>/dev/null || true", ct=ct).stdout.split()
-    return sorted(int(n.split("-")[1]) for n in out if n.startswith("step-"))
+    return lab.checkpoints(CHECKPOINTS, ct=ct)
 
 
 def test_the_shared_storage_is_one_directory_in_both_cts(cts) -> None:
@@ -102,11 +118,7 @@ def test_two_cts_ready_stop_resume_and_a_node_killed(job) -> None:
     lab.wait_for(
         lambda: any(resumed in lab.journal(killed[ct], ct=ct) for ct in cts), 60, "the resume after the kill"
     )
-    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)))
-    lab.sh("systemctl stop dflash-train", ct=leader, timeout=180)
-    lab.wait_for(
-        lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
-    )
+    stop_from_leader(cts)
     print(f"both restarted by systemd, resumed at step {newest}, stopped as success")
 
 
@@ -118,9 +130,7 @@ def test_a_node_rebooted_stops_the_job_with_a_checkpoint_and_it_resumes_when_bac
     cts = job
     cursors = {ct: lab.cursor(ct) for ct in cts}
     start_both(cts)
-    lab.wait_for(
-        lambda: any(re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)) for ct in cts), 120, "a step"
-    )
+    lab.wait_for(lambda: leader_ct(cts), 120, "a step in the leader's STATUS")
     rebooted, other = cts[1], cts[0]
     assert lab.show("UnitFileState", ct=rebooted) == "enabled", "the unit must start at boot"
     restarts = int(lab.show("NRestarts", ct=other))
@@ -151,8 +161,4 @@ def test_a_node_rebooted_stops_the_job_with_a_checkpoint_and_it_resumes_when_bac
     resumed = f"resumed from {CHECKPOINTS}/step-{saved:08d} (step {saved})"
     lab.wait_for(lambda: any(resumed in lab.journal(cursors[ct], ct=ct) for ct in cts), 60, "the resume line")
     print(f"{rebooted} back: the job resumed at step {saved}, the checkpoint of its shutdown")
-    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct)))
-    lab.sh("systemctl stop dflash-train", ct=leader, timeout=180)
-    lab.wait_for(
-        lambda: all(lab.show("ActiveState", ct=ct) == "inactive" for ct in cts), 60, "both units to end"
-    )
+    stop_from_leader(cts)

@@ -192,6 +192,7 @@ def cursor(ct: str = CT) -> str:
     return out
 
 
-def checkpoints() -> list[int]:
-    out = sh("ls /var/lib/dflash-svc-test/train/checkpoints 2>/dev/null || true").stdout.split()
+def checkpoints(directory: str = f"{DATA}/train/checkpoints", ct: str = CT) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (in CT, or another lab container)."""
+    out = sh(f"ls {directory} 2>/dev/null || true", ct=ct).stdout.split()
     return sorted(int(n.split("-")[1]) for n in out if n.startswith("step-"))

@@ -78,8 +78,7 @@ def job(ct):
 
 
 def job_checkpoints(ct) -> list[int]:
-    out = ct.sh(f"ls {JOB}/checkpoints 2>/dev/null || true").stdout.split()
-    return sorted(int(n.split("-")[1]) for n in out if n.startswith("step-"))
+    return ct.checkpoints(f"{JOB}/checkpoints")
 
 
 def test_two_nodes_ready_stop_resume_and_a_node_killed(job):
