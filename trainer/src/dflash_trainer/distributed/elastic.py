@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -193,8 +194,6 @@ class NodeWatch:
 def host_shutting_down() -> bool:
     """Whether this machine's (or CT's) systemd is shutting down or rebooting: `systemctl is-system-running`
     prints "stopping" then (systemctl(1)); anything else, or no systemd, is an ordinary stop."""
-    import subprocess
-
     try:
         out = subprocess.run(
             ["systemctl", "is-system-running"], capture_output=True, text=True, timeout=5, check=False
