@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from dflash_trainer.method.mask import block_attention_mask
+from dflash_trainer.method.mask import block_attention_mask, visible_key_intervals
 from dflash_trainer.model.attention import block_mask_mod, flex_block_mask
 from dflash_trainer.model.drafter import DFlashDrafter
 
@@ -103,3 +103,49 @@ def test_flex_outputs_and_gradients_equal_dense_on_cuda(small_spec, window: int)
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 6, 3, 1])
+def test_visible_key_intervals_are_the_reference_mask_rows(window: int | None) -> None:
+    ref = _reference(window)
+    intervals = visible_key_intervals(ANCHORS, VALID, CTX_LEN, BLOCK, window)
+    keys = torch.arange(ref.shape[2])
+    lo_c, hi_c, lo_b, hi_b = (intervals[..., i, None] for i in range(4))
+    rows = ((keys >= lo_c) & (keys < hi_c)) | ((keys >= lo_b) & (keys < hi_b))
+    assert torch.equal(rows, ref)
+
+
+def _random_layout(seed: int, batch: int, num: int, ctx_len: int):
+    """Sorted anchors as sample_anchors makes them; the last sequence ends in three padding blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    anchors = torch.randint(0, ctx_len, (batch, num), generator=gen).sort(dim=1).values
+    valid = torch.ones(batch, num, dtype=torch.bool)
+    valid[-1, -3:] = False
+    return anchors, valid
+
+
+@pytest.mark.parametrize(
+    ("seed", "num", "block", "ctx_len", "window", "tile", "full_tiles"),
+    [
+        (0, 24, 16, 384, None, 128, True),  # aligned: every length a multiple of the tile
+        (1, 24, 16, 384, 300, 128, False),  # rows of a tile spread wider than the window leaves whole
+        (2, 13, 4, 70, None, 16, True),  # rows and keys end inside a tile
+        (3, 13, 4, 70, 9, 16, False),  # a window shorter than the tile: no tile is full
+        (4, 9, 8, 64, 2, 8, False),  # a window shorter than the block
+        (5, 40, 16, 200, 90, 32, True),
+    ],
+)
+def test_flex_block_mask_equals_create_block_mask(seed, num, block, ctx_len, window, tile, full_tiles) -> None:
+    """Same tensors as PyTorch's create_block_mask over the mask_mod: the kernel does the same work."""
+    anchors, valid = _random_layout(seed, 2, num, ctx_len)
+    n = num * block
+    mod = block_mask_mod(anchors, valid, ctx_len, block, window)
+    expected = create_block_mask(mod, 2, None, n, ctx_len + n, device="cpu", BLOCK_SIZE=tile)
+    ours = flex_block_mask(anchors, valid, ctx_len, block, window, tile=tile)
+    assert bool(expected.full_kv_num_blocks.sum() > 0) == full_tiles, "the case does not test what it says"
+    assert ours.seq_lengths == expected.seq_lengths
+    assert ours.BLOCK_SIZE == expected.BLOCK_SIZE
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    for name in names:
+        assert torch.equal(getattr(ours, name), getattr(expected, name)), name
