@@ -17,8 +17,10 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   graph-mlp          compiled-mlp inside the CUDA graph; graph-mlp-norm: compiled-mlp-norm inside it
   compiled-layers-opaque  each whole layer compiled, the linear-attention kernels opaque to dynamo;
   graph-layers-opaque     the same inside the CUDA graph (graph-plain-layers-opaque: its plain forward)
-Each row: median ms (wall, synchronised), the host's enqueue time of one call (no sync: when it is close to
-the wall time, the forward is bound by launching kernels), tokens/s, TFLOP/s and MFU against 989 TFLOP/s
+  graph-layers-opaque-repeat  the same with transformers' q/k head repeat kept (load_target(skip_repeat=False))
+Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at the
+end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time of one
+call (no sync: when it is close to the wall time, the forward is bound by launching kernels), tokens/s, TFLOP/s and MFU against 989 TFLOP/s
 (H100/H200 dense bf16) and against the bf16 matmul rate measured in the same run (FLOPs: 2 x layer parameters
 x tokens plus causal attention of the full-attention layers; the Gated DeltaNet's chunked recurrence is not
 counted, so MFU is a floor), peak memory, the dynamo graphs made, and the largest and mean difference of its
@@ -76,6 +78,7 @@ class Variant:
     dtype: torch.dtype = torch.bfloat16
     graph: bool = False  # replayed from a CUDA graph (the unpadded path)
     capture: bool = True  # False: the plain forward, hooks idle (the base of the capture overhead)
+    repeat: bool = False  # True: transformers' own q/k head repeat before the delta rule (before 2026-12-02)
 
 
 REFERENCE = "fp32-reference"
@@ -93,9 +96,12 @@ VARIANTS: dict[str, Variant] = {
     "compiled-layers-opaque": Variant("layers-opaque"),
     "graph-layers-opaque": Variant("layers-opaque", graph=True),
     "graph-plain-layers-opaque": Variant("layers-opaque", graph=True, capture=False),
+    "graph-layers-opaque-repeat": Variant("layers-opaque", graph=True, repeat=True),
 }
 # The fastest of 2026-12-02 (graph-layers-opaque) with its plain forward, beside eager and eager-plain.
-DEFAULT_VARIANTS = ["eager", "eager-plain", "graph-layers-opaque", "graph-plain-layers-opaque"]
+DEFAULT_VARIANTS = [
+    "eager", "eager-plain", "graph-layers-opaque", "graph-plain-layers-opaque", "graph-layers-opaque-repeat"
+]
 OVERHEAD_PAIRS = (  # capture against the plain forward
     ("eager", "eager-plain"),
     ("graph", "graph-plain"),
@@ -163,9 +169,15 @@ def time_forward(
         sync(device)
         walls.append(time.perf_counter() - t0)
         enqueues.append(t1 - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    pipelined = (time.perf_counter() - t0) / steps
     return {
         "ms_median": statistics.median(walls) * 1e3,
         "ms_all": [t * 1e3 for t in walls],
+        "pipelined_ms": pipelined * 1e3,
         "host_enqueue_ms_median": statistics.median(enqueues) * 1e3,
     }
 
@@ -257,7 +269,9 @@ def run_variant(
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
     variant, device = VARIANTS[name], tokens.device
     row: dict[str, Any] = {"variant": name, "dtype": str(variant.dtype).removeprefix("torch.")}
-    target = load_target(model_dir, device=device, layer_ids=ids_layers, dtype=variant.dtype)
+    target = load_target(
+        model_dir, device=device, layer_ids=ids_layers, dtype=variant.dtype, skip_repeat=not variant.repeat
+    )
     output = None
     try:
         row["flops"] = forward_flops(target, tokens.shape[1])
@@ -295,11 +309,13 @@ def run_variant(
 def rates(row: dict[str, Any], seq_len: int, matmul: float | None, on_gpu: bool) -> dict[str, Any]:
     step, flops = row["ms_median"] / 1e3, row["flops"]
     bf16_on_gpu = on_gpu and row["dtype"] == "bfloat16"
+    pipelined = row["pipelined_ms"] / 1e3
     return {
         "tokens_per_s": seq_len / step,
         "tflops": flops / step / 1e12,
         "mfu": flops / step / H100_BF16_DENSE_PEAK if bf16_on_gpu else None,
         "mfu_vs_matmul": flops / step / matmul if bf16_on_gpu and matmul else None,
+        "mfu_pipelined": flops / pipelined / H100_BF16_DENSE_PEAK if bf16_on_gpu else None,
     }
 
 
@@ -387,7 +403,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(
             f"{row['variant']:18} {row['ms_median']:7.2f} ms (host {row['host_enqueue_ms_median']:6.2f})"
             f"  {row['tokens_per_s']:8.0f} tok/s  {row['tflops']:6.1f} TFLOP/s  MFU {fmt(row['mfu'], '.1%')}"
-            f" (matmul {fmt(row['mfu_vs_matmul'], '.1%')})  diff {diff}"
+            f" (matmul {fmt(row['mfu_vs_matmul'], '.1%')}; back to back {row['pipelined_ms']:.2f} ms,"
+            f" MFU {fmt(row['mfu_pipelined'], '.1%')})  diff {diff}"
         )
         if "timeline_error" in row:
             lines.append(f"{'':18} trace FAILED {row['timeline_error'][:300]}")

@@ -219,3 +219,55 @@ def preflight_config_path():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[1] / "configs" / "reference.toml"
+
+
+# ---- grouped query/key heads handed to the delta rule (skip_qk_head_repeat) ----
+
+
+def test_skipping_the_qk_head_repeat_leaves_the_hybrid_forward_bit_exact(tiny_target):
+    """CPU: the torch delta rule gets the heads repeated by the dispatch instead of the layer: same bits."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from dflash_trainer.model.target import load_target
+
+    path = tiny_target("qwen3_5")
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    repeated = load_target(path, layer_ids=[1, 5], skip_repeat=False)
+    grouped = load_target(path, layer_ids=[1, 5])
+    layers = [m for m in grouped.model.modules() if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet)]
+    assert layers and all(m.num_k_heads == m.num_v_heads for m in layers), "the repeat was not skipped"
+    assert all(
+        m.num_k_heads < m.num_v_heads
+        for m in repeated.model.modules()
+        if isinstance(m, modeling_qwen3_5.Qwen3_5GatedDeltaNet)
+    )
+    assert torch.equal(grouped.capture(ids).context, repeated.capture(ids).context)
+
+
+def test_the_delta_rule_dispatch_repeats_grouped_heads_for_the_torch_path_only():
+    seen = []
+
+    def fla(q, k, v, *a, **kw):
+        seen.append(("fla", q.shape[2], k.shape[2]))
+        return v
+
+    def torch_impl(q, k, v, *a, **kw):
+        seen.append(("torch", q.shape[2], k.shape[2]))
+        assert torch.equal(q[:, :, 0], q[:, :, 1]) and torch.equal(q[:, :, 2], q[:, :, 3]), "not interleaved"
+        return v
+
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 4, 8)
+    kernels._delta_rule_dispatcher(fla, torch_impl, kernel_takes_groups=True)(q, k, v)
+    kernels._delta_rule_dispatcher(fla, torch_impl, kernel_takes_groups=False)(q, k, v)
+    assert seen == [("torch", 4, 4), ("torch", 4, 4)]  # CPU tensors: the torch path, repeated, either way
+
+
+@pytest.mark.gpu
+def test_grouped_heads_through_fla_equal_the_repeated_ones_on_gpu(tiny_target):
+    from dflash_trainer.model.target import load_target
+
+    path = tiny_target("qwen3_5")
+    ids = torch.randint(0, 500, (2, 96), device="cuda")
+    grouped = load_target(path, device="cuda", dtype=torch.bfloat16, layer_ids=[1, 5]).capture(ids).context
+    repeated = load_target(path, device="cuda", dtype=torch.bfloat16, layer_ids=[1, 5], skip_repeat=False)
+    torch.testing.assert_close(grouped.float(), repeated.capture(ids).context.float(), atol=2e-2, rtol=2e-2)

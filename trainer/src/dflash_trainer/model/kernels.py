@@ -9,16 +9,23 @@ and to a torch `F.conv1d` otherwise (about 9 % of a 27B-shaped target forward on
 not pin `causal_conv1d` (a CUDA extension built per torch release); flash-linear-attention, which it pins,
 ships a Triton one. On CUDA tensors that one runs instead, through `fla_causal_conv1d_fn`, which adapts
 transformers' channels-first call to FLA's channels-last kernel.
+
+Qwen3.5's Gated DeltaNet repeats its query and key heads to the value heads (repeat_interleave) before the
+delta rule, a copy of both in every layer; FLA's kernels take the grouped heads themselves (GVA, value head i
+reads key head i // (HV // H): fla/ops/gated_delta_rule/chunk.py). `skip_qk_head_repeat` turns the layer's
+repeat off and the dispatch repeats for transformers' torch implementation only.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next
 
@@ -50,9 +57,40 @@ def _dispatcher(kernel: Callable[..., Any], torch_impl: Callable[..., Any]) -> C
         impl = kernel if first.is_cuda else torch_impl
         return impl(first, *args, **kwargs)
 
+    return _marked(dispatch, torch_impl)
+
+
+def _delta_rule_dispatcher(
+    kernel: Callable[..., Any], torch_impl: Callable[..., Any], kernel_takes_groups: bool
+) -> Callable[..., Any]:
+    """(query, key, value, ...) with query/key heads possibly grouped: FLA takes them as they are; transformers'
+    torch implementation (on CPU, or everywhere when FLA did not import) gets them repeated, as the layer
+    would have repeated them."""
+
+    def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if query.is_cuda and kernel_takes_groups:
+            return kernel(query, key, value, *args, **kwargs)
+        groups = value.shape[2] // query.shape[2]
+        if groups > 1:  # the repeat the layer skipped (skip_qk_head_repeat), exactly as it did it
+            query, key = (t.repeat_interleave(groups, dim=2) for t in (query, key))
+        return (kernel if query.is_cuda else torch_impl)(query, key, value, *args, **kwargs)
+
+    return _marked(dispatch, torch_impl)
+
+
+def _marked(dispatch: Callable[..., Any], torch_impl: Callable[..., Any]) -> Callable[..., Any]:
     setattr(dispatch, _MARK, True)
     dispatch.torch_impl = torch_impl  # type: ignore[attr-defined]  (tests compare the two paths)
     return dispatch
+
+
+def _fla_imports() -> bool:
+    """What transformers' hub wrapper decided at import: FLA's functions if `fla` imports, its torch ones if not."""
+    try:
+        importlib.import_module("fla")
+    except Exception:  # noqa: BLE001 - any failure means transformers fell back, as it does
+        return False
+    return True
 
 
 def _install(module: ModuleType) -> None:
@@ -61,7 +99,7 @@ def _install(module: ModuleType) -> None:
         if getattr(op, _MARK, False):
             continue
         # The hub-kernel wrapper keeps transformers' own torch function as __wrapped__.
-        setattr(module, name, _dispatcher(op, getattr(op, "__wrapped__", op)))
+        setattr(module, name, _delta_rule_dispatcher(op, getattr(op, "__wrapped__", op), _fla_imports()))
     conv = getattr(module, _CONV, None)
     if conv is not None and not getattr(conv, _MARK, False):
         # inspect.unwrap reaches transformers' own torch conv under the hub and fallback wrappers.
@@ -72,6 +110,37 @@ def install_device_dispatch() -> None:
     """Idempotent; affects only the two hybrid modelling modules."""
     for module in (modeling_qwen3_5, modeling_qwen3_next):
         _install(module)
+
+
+# Qwen3_5GatedDeltaNet (transformers 5.15-5.17) names num_k_heads five times: set in __init__, read for key_dim
+# there, and in forward only in the repeat:
+#   if self.num_v_heads // self.num_k_heads > 1: query = query.repeat_interleave(...); key = ...
+# (the class source: the hub decorators wrap forward without functools.wraps).
+_REPEAT_GUARD = "if self.num_v_heads // self.num_k_heads > 1:"
+_NUM_K_HEADS_MENTIONS = 5
+
+
+def skip_qk_head_repeat(model: nn.Module) -> int:
+    """Let each Qwen3.5 Gated DeltaNet layer of `model` hand grouped query/key heads to the delta rule (the
+    dispatch repeats them for the torch implementation); returns how many layers changed.
+
+    The layer decides with `num_v_heads // num_k_heads > 1`, and its forward reads num_k_heads only there,
+    so the layer's num_k_heads is set to num_v_heads. A transformers whose forward reads it elsewhere (or does
+    not install the dispatch) keeps its repeat: correct, only slower. Qwen3-Next also reads num_k_heads in
+    its projection split, so it is left alone.
+    """
+    layer_cls = modeling_qwen3_5.Qwen3_5GatedDeltaNet
+    source = inspect.getsource(layer_cls)
+    if source.count("num_k_heads") != _NUM_K_HEADS_MENTIONS or _REPEAT_GUARD not in source:
+        return 0
+    if not all(getattr(getattr(modeling_qwen3_5, name), _MARK, False) for name in _OPS):
+        return 0
+    changed = 0
+    for layer in model.modules():
+        if isinstance(layer, layer_cls) and layer.num_v_heads > layer.num_k_heads:
+            layer.num_k_heads = layer.num_v_heads
+            changed += 1
+    return changed
 
 
 def conv_backend(module: ModuleType = modeling_qwen3_5) -> str:

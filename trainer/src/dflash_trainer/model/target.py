@@ -24,7 +24,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
-from dflash_trainer.model.kernels import install_device_dispatch
+from dflash_trainer.model.kernels import install_device_dispatch, skip_qk_head_repeat
 
 log = logging.getLogger("dflash_trainer.target")
 
@@ -311,6 +311,7 @@ def load_target(
     dtype: torch.dtype | None = None,
     layer_ids: list[int],
     full: bool = False,
+    skip_repeat: bool = True,
 ) -> TargetModel:
     """Load a Qwen3 / Qwen3.5 (plain or VL wrapper) / Qwen3-Next target from safetensors + config.json.
 
@@ -338,6 +339,8 @@ def load_target(
     if model is None:
         model = _from_pretrained(cls, Path(path), short, dtype).to(device)
     model.eval().requires_grad_(False)
+    if skip_repeat:  # off only to compare with transformers' own repeat (tests, benchmarks)
+        skip_qk_head_repeat(model)
     log.info("target %s: %d of %d layers on %s in %.1f s", path, short.num_hidden_layers,
              cfg.num_hidden_layers, device, time.perf_counter() - start)  # fmt: skip
     return TargetModel(model, cfg, layer_ids)
