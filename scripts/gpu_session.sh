@@ -4,8 +4,9 @@
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), then
-# scripts/gpu_rehearsal.sh, then the drafter benchmark with a profile of its step, the target forward's
-# benchmark (its default variants: eager and compiled layers in a CUDA graph, each with its plain forward), then our step against SpecForge's (issue 17; carry its wheel,
+# scripts/gpu_rehearsal.sh, then the drafter benchmark (flex against dense, then a profile of its step), the
+# target forward's benchmark (fp32, eager, compiled layers in a CUDA graph, each with its plain forward, and with
+# transformers' q/k repeat), fast_load against the peers, then our step against SpecForge's (issue 17; carry its wheel,
 # specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies; SESSION_BENCHES=0 skips
 # the three benchmarks). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
@@ -25,12 +26,16 @@ start)
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
     if [ "${SESSION_BENCHES:-1}" = 1 ]; then
-      echo "=== drafter step: the loss softmax in Triton and in torch side by side, profiled ($(date -u +%T))"
+      echo "=== drafter step: flex against dense first, then timed and profiled ($(date -u +%T))"
       timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
-        --no-check --loss fused fused-torch --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
-      echo "=== target forward with capture: eager against compiled layers in a CUDA graph ($(date -u +%T))"
-      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
-        2>&1 | grep -v "^Loading weights" | tail -n 8
+        --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
+      echo "=== target forward with capture: eager, compiled layers in a CUDA graph, the q/k repeat kept ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
+        --variant fp32-reference eager eager-plain graph-layers-opaque graph-plain-layers-opaque \
+        graph-layers-opaque-repeat --out "$STATE/out/target.json" 2>&1 | grep -v "^Loading weights" | tail -n 16
+      echo "=== loading the staged model: fast_load against the peers, best and median of 5 ($(date -u +%T))"
+      timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --grid --grid-readers 12 \
+        --grid-chunk-mb 8 --grid-buffers 1 2>&1 | tail -n 14
       echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
         tail -n 4
