@@ -17,10 +17,11 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   graph-mlp          compiled-mlp inside the CUDA graph; graph-mlp-norm: compiled-mlp-norm inside it
   compiled-layers-opaque  each whole layer compiled, the linear-attention kernels opaque to dynamo;
   graph-layers-opaque     the same inside the CUDA graph (graph-plain-layers-opaque: its plain forward)
-  graph-layers-opaque-repeat  the same with transformers' q/k head repeat kept (load_target(skip_repeat=False))
-Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at the
-end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time of one
-call (no sync: when it is close to the wall time, the forward is bound by launching kernels), tokens/s, TFLOP/s and MFU against 989 TFLOP/s
+  graph-layers-opaque-repeat  the same with transformers' q/k head repeat kept (skip_repeat=False)
+Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at
+the end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time
+of one call (no sync: when it is close to the wall time, the forward is bound by launching kernels),
+tokens/s, TFLOP/s and MFU against 989 TFLOP/s
 (H100/H200 dense bf16) and against the bf16 matmul rate measured in the same run (FLOPs: 2 x layer parameters
 x tokens plus causal attention of the full-attention layers; the Gated DeltaNet's chunked recurrence is not
 counted, so MFU is a floor), peak memory, the dynamo graphs made, and the largest and mean difference of its
@@ -100,7 +101,11 @@ VARIANTS: dict[str, Variant] = {
 }
 # The fastest of 2026-12-02 (graph-layers-opaque) with its plain forward, beside eager and eager-plain.
 DEFAULT_VARIANTS = [
-    "eager", "eager-plain", "graph-layers-opaque", "graph-plain-layers-opaque", "graph-layers-opaque-repeat"
+    "eager",
+    "eager-plain",
+    "graph-layers-opaque",
+    "graph-plain-layers-opaque",
+    "graph-layers-opaque-repeat",
 ]
 OVERHEAD_PAIRS = (  # capture against the plain forward
     ("eager", "eager-plain"),

@@ -135,7 +135,9 @@ def _random_layout(seed: int, batch: int, num: int, ctx_len: int):
         (5, 40, 16, 200, 90, 32, True),
     ],
 )
-def test_flex_block_mask_equals_create_block_mask(seed, num, block, ctx_len, window, tile, full_tiles) -> None:
+def test_flex_block_mask_equals_create_block_mask(
+    seed, num, block, ctx_len, window, tile, full_tiles
+) -> None:
     """Same tensors as PyTorch's create_block_mask over the mask_mod: the kernel does the same work."""
     anchors, valid = _random_layout(seed, 2, num, ctx_len)
     n = num * block
@@ -145,7 +147,15 @@ def test_flex_block_mask_equals_create_block_mask(seed, num, block, ctx_len, win
     assert bool(expected.full_kv_num_blocks.sum() > 0) == full_tiles, "the case does not test what it says"
     assert ours.seq_lengths == expected.seq_lengths
     assert ours.BLOCK_SIZE == expected.BLOCK_SIZE
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    names = (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    )
     for name in names:
         assert torch.equal(getattr(ours, name), getattr(expected, name)), name

@@ -62,7 +62,7 @@ def visible_key_intervals(
     blk_start = ctx_len + torch.arange(num, device=device)[:, None] * block_size  # [A, 1]
     if sliding_window is None:
         ctx_lo = torch.zeros_like(ctx_hi)
-        blk_lo = (blk_start + 0 * slot).expand(batch, num, block_size)
+        blk_lo = blk_start.expand(batch, num, block_size)
         blk_hi = blk_lo + block_size
     else:
         ctx_lo = (pos - sliding_window + 1).clamp(min=0)
@@ -79,7 +79,7 @@ def tile_visibility(intervals: torch.Tensor, num_keys: int, tile: int) -> tuple[
     The same split as FlexAttention's create_block_mask makes from the dense mask: rows and keys past the
     ends count as hidden, so an edge tile is never full.
     """
-    batch, rows, _ = intervals.shape
+    rows = intervals.shape[1]
     starts = torch.arange(0, num_keys, tile, device=intervals.device)
     ends = (starts + tile).clamp(max=num_keys)
 

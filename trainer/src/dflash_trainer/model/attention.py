@@ -80,13 +80,17 @@ def flex_block_mask(
     evaluates mask_mod on all N x (T+N) pairs (17 ms a step for two layer types at the reference shape on an
     H200, 2026-12-01) where this does N x (key tiles). test_model_attention_paths compares the two.
     """
-    batch, num = anchors.shape
+    num = anchors.shape[1]
     n = num * block_size
     intervals = visible_key_intervals(anchors, valid, ctx_len, block_size, sliding_window)
     partial, full = tile_visibility(intervals, ctx_len + n, tile)
     mod = block_mask_mod(anchors, valid, ctx_len, block_size, sliding_window)
     return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=(tile, tile), mask_mod=mod, seq_lengths=(n, ctx_len + n)
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=(tile, tile),
+        mask_mod=mod,
+        seq_lengths=(n, ctx_len + n),
     )
 
 

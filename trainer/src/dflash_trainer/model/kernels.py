@@ -63,11 +63,13 @@ def _dispatcher(kernel: Callable[..., Any], torch_impl: Callable[..., Any]) -> C
 def _delta_rule_dispatcher(
     kernel: Callable[..., Any], torch_impl: Callable[..., Any], kernel_takes_groups: bool
 ) -> Callable[..., Any]:
-    """(query, key, value, ...) with query/key heads possibly grouped: FLA takes them as they are; transformers'
-    torch implementation (on CPU, or everywhere when FLA did not import) gets them repeated, as the layer
-    would have repeated them."""
+    """(query, key, value, ...) with query/key heads possibly grouped: FLA takes them as they are;
+    transformers' torch implementation (on CPU, or everywhere when FLA did not import) gets them repeated,
+    as the layer would have repeated them."""
 
-    def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def dispatch(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         if query.is_cuda and kernel_takes_groups:
             return kernel(query, key, value, *args, **kwargs)
         groups = value.shape[2] // query.shape[2]
@@ -85,10 +87,10 @@ def _marked(dispatch: Callable[..., Any], torch_impl: Callable[..., Any]) -> Cal
 
 
 def _fla_imports() -> bool:
-    """What transformers' hub wrapper decided at import: FLA's functions if `fla` imports, its torch ones if not."""
+    """What transformers' hub wrapper decided at import: FLA's functions if `fla` imports, else its own."""
     try:
         importlib.import_module("fla")
-    except Exception:  # noqa: BLE001 - any failure means transformers fell back, as it does
+    except Exception:  # any failure means transformers fell back, as it does
         return False
     return True
 
@@ -112,8 +114,8 @@ def install_device_dispatch() -> None:
         _install(module)
 
 
-# Qwen3_5GatedDeltaNet (transformers 5.15-5.17) names num_k_heads five times: set in __init__, read for key_dim
-# there, and in forward only in the repeat:
+# Qwen3_5GatedDeltaNet (transformers 5.15-5.17) names num_k_heads five times: set in __init__, read for
+# key_dim there, and in forward only in the repeat:
 #   if self.num_v_heads // self.num_k_heads > 1: query = query.repeat_interleave(...); key = ...
 # (the class source: the hub decorators wrap forward without functools.wraps).
 _REPEAT_GUARD = "if self.num_v_heads // self.num_k_heads > 1:"
