@@ -43,8 +43,9 @@ def probe_triton() -> str:
 def probe_fla(key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv: int, tokens: int) -> str:
     """The target's Gated DeltaNet kernels on its own head shapes, forward and backward-free, in bf16.
 
-    The same calls transformers' Qwen3.5/Qwen3-Next layer makes: q and k repeated to the value heads, the
-    chunked gated delta rule with in-kernel L2 norm, and the depthwise causal conv over q|k|v channels
+    The calls the target's layers make: the chunked gated delta rule with in-kernel L2 norm on q and k grouped
+    (Qwen3.5, whose repeat model.kernels.skip_qk_head_repeat turns off) and repeated to the value heads
+    (Qwen3-Next, as transformers does), and the depthwise causal conv over q|k|v channels
     (dflash_trainer.model.kernels swaps FLA's Triton conv in for transformers' torch fallback).
     """
     import torch
@@ -64,23 +65,25 @@ def probe_fla(key_heads: int, value_heads: int, key_dim: int, value_dim: int, co
     if not err < 0.05:
         raise AssertionError(f"FLA's causal conv differs from the torch conv by {err:.3g} (bf16 allows 0.05)")
 
-    rep = value_heads // key_heads
-    q, k = (
-        torch.randn(1, tokens, key_heads, key_dim, device=dev, dtype=bf16, generator=g).repeat_interleave(
-            rep, 2
-        )
-        for _ in range(2)
-    )
+    q, k = (torch.randn(1, tokens, key_heads, key_dim, device=dev, dtype=bf16, generator=g) for _ in range(2))
     v = torch.randn(1, tokens, value_heads, value_dim, device=dev, dtype=bf16, generator=g)
     gate = -torch.rand(1, tokens, value_heads, device=dev, dtype=torch.float32, generator=g)
     beta = torch.rand(1, tokens, value_heads, device=dev, dtype=bf16, generator=g)
-    out, _ = chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
-    torch.cuda.synchronize()
-    if not torch.isfinite(out.float()).all():
-        raise AssertionError("the FLA gated-delta-rule kernel returned non-finite values")
+    rep = value_heads // key_heads
+    for form, (qs, ks) in (
+        ("grouped", (q, k)),
+        ("repeated", (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))),
+    ):
+        out, _ = chunk_gated_delta_rule(qs, ks, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
+        torch.cuda.synchronize()
+        if not torch.isfinite(out.float()).all():
+            raise AssertionError(
+                f"the FLA gated-delta-rule kernel returned non-finite values ({form} q/k heads)"
+            )
     return (
-        f"FLA gated delta rule ({key_heads} key / {value_heads} value heads of {key_dim}/{value_dim}) and "
-        f"causal conv (width {conv}, {channels} channels, max error {err:.2g}) ran, {tokens} tokens"
+        f"FLA gated delta rule ({key_heads} key / {value_heads} value heads of {key_dim}/{value_dim}, "
+        f"q/k grouped and repeated) and causal conv (width {conv}, {channels} channels, max error {err:.2g}) "
+        f"ran, {tokens} tokens"
     )
 
 
