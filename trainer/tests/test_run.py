@@ -272,8 +272,18 @@ def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(tmp_path, tiny
 
     monkeypatch.setattr(ck.torch, "save", dies_on_the_second_checkpoint)
     cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=8, checkpoint_every=2)
+    run = Run(cfg)
+    run.resume()
+
+    def write_finishes_within_its_step(m) -> None:
+        # On a slow machine step 2's write can outlast steps 3-4, deferring the second save to step 5
+        # (CI saw step-00000005): join the writer without raising, so the second save is step 4's.
+        thread = run.drafter.checkpointer._thread
+        if thread is not None:
+            thread.join()
+
     with pytest.raises(ck.CheckpointError) as err:
-        train(cfg)
+        run.train(hooks=[write_finishes_within_its_step])
     ckpt = tmp_path / "ckpt"
     assert str(err.value) == (
         f"checkpoint step-00000004 in {ckpt}: OSError: [Errno 28] No space left on device"
