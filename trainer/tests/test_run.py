@@ -165,10 +165,25 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
 # ---- the background checkpoint ----
 
 
+def writes_finish_within_their_step(run: Run):
+    """A hook joining the checkpoint writer (without raising) after each step: on a slow machine one save's
+    write can outlast the steps to the next save, which is then deferred (CI saw step-00000005 for 4);
+    tests of what is saved when must not hang on the machine's speed."""
+
+    def join(_metrics) -> None:
+        thread = run.drafter.checkpointer._thread
+        if thread is not None:
+            thread.join()
+
+    return join
+
+
 def test_save_is_in_the_background_and_finished_when_the_run_returns(tmp_path, tiny_target, shards, caplog):
     caplog.set_level("INFO", logger="dflash_trainer.checkpoint")
     cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=7, checkpoint_every=3)
-    result = train(cfg)
+    run = Run(cfg)
+    run.resume()
+    result = run.train(hooks=[writes_finish_within_their_step(run)])
     assert result.checkpoint.name == "step-00000007"
     assert sorted(p.name for p in result.checkpoint.iterdir()) == ["ema.pt", "state.pt"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint step-")]
@@ -274,16 +289,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint_the_newest(tmp_path, tiny
     cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=8, checkpoint_every=2)
     run = Run(cfg)
     run.resume()
-
-    def write_finishes_within_its_step(m) -> None:
-        # On a slow machine step 2's write can outlast steps 3-4, deferring the second save to step 5
-        # (CI saw step-00000005): join the writer without raising, so the second save is step 4's.
-        thread = run.drafter.checkpointer._thread
-        if thread is not None:
-            thread.join()
-
     with pytest.raises(ck.CheckpointError) as err:
-        run.train(hooks=[write_finishes_within_its_step])
+        run.train(hooks=[writes_finish_within_their_step(run)])
     ckpt = tmp_path / "ckpt"
     assert str(err.value) == (
         f"checkpoint step-00000004 in {ckpt}: OSError: [Errno 28] No space left on device"
