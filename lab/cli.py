@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lab import containers, image, seed, services
 from lab.errors import LabError
-from lab.progress import heartbeat
+from lab.progress import heartbeat, say
 from lab.settings import REPO, LabSettings, load_settings
 
 # Files the lab made outside lab_dir in earlier versions; lab-down removes them too.
@@ -25,12 +25,12 @@ def _ensure_one_container(settings: LabSettings, spec) -> bool:
         if containers.is_complete(spec.name) and not image.read_record(
             image.ct_record_path(settings, spec.name)
         ):
-            print(f"lab: {spec.name} has no record of a CT image (an older lab): rebuilding", flush=True)
+            say(f"lab: {spec.name} has no record of a CT image (an older lab): rebuilding")
             containers.remove(spec.name)
     else:
         make_rootfs = containers.minbase_rootfs(settings)
     part = containers.ensure_container(spec, settings, make_rootfs)
-    print(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}", flush=True)
+    say(f"lab: container {spec.name:<10} {'built/started' if part else 'ok'}")
     return part
 
 
@@ -51,11 +51,11 @@ def up(settings: LabSettings) -> bool:
             raise errors[0]
     for daemon in services.daemons(settings):
         part = services.ensure_daemon(settings, daemon)
-        print(f"lab: {daemon.name:<20} {'started' if part else 'ok'} ({daemon.url})", flush=True)
+        say(f"lab: {daemon.name:<20} {'started' if part else 'ok'} ({daemon.url})")
         changed |= part
     with heartbeat(f"syncing the seed into s3://{settings.s3_bucket}"):
         part = seed.ensure_bucket(settings)
-    print(f"lab: bucket {settings.s3_bucket:<13} {'seeded' if part else 'ok'}", flush=True)
+    say(f"lab: bucket {settings.s3_bucket:<13} {'seeded' if part else 'ok'}")
     changed |= part
     print(f"lab: {'changed' if changed else 'up, nothing changed'}")
     return changed

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lab.errors import LabError
-from lab.progress import heartbeat
+from lab.progress import heartbeat, say
 from lab.settings import ContainerSpec, LabSettings
 
 LXC_ROOT = Path("/var/lib/lxc")
@@ -56,7 +56,7 @@ def base_rootfs(settings: LabSettings) -> Path:
         return tar
     tar.parent.mkdir(parents=True, exist_ok=True)
     partial = tar.with_suffix(".partial.tar")
-    print(f"lab: building the {settings.suite} root filesystem with mmdebstrap (about 30 s)", flush=True)
+    say(f"lab: building the {settings.suite} root filesystem with mmdebstrap (about 30 s)")
     with heartbeat(f"mmdebstrap {settings.suite} minbase"):
         _mmdebstrap(settings, partial)
     partial.rename(tar)
@@ -175,10 +175,7 @@ def wait_booted(name: str, timeout_s: float = BOOT_TIMEOUT_S) -> None:
     last_said = time.monotonic()
     while time.monotonic() < deadline:
         if time.monotonic() - last_said >= 10:
-            print(
-                f"lab: {name}: waiting for systemd to finish booting ({status or 'no answer yet'})",
-                flush=True,
-            )
+            say(f"lab: {name}: waiting for systemd to finish booting ({status or 'no answer yet'})")
             last_said = time.monotonic()
         status = attach(name, "systemctl", "is-system-running", timeout=10).stdout.strip()
         if status in ("running", "degraded", "maintenance", "stopping"):
@@ -201,7 +198,7 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings, make_rootfs: Ro
     digest = hashlib.sha256(config.encode()).hexdigest()
 
     if directory.exists() and not marker.exists():
-        print(f"lab: {spec.name} is half-built (no completion marker); rebuilding it", flush=True)
+        say(f"lab: {spec.name} is half-built (no completion marker); rebuilding it")
         remove(spec.name)
     if not directory.exists():
         directory.mkdir(parents=True)

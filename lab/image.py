@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lab import containers
 from lab.errors import LabError
-from lab.progress import heartbeat
+from lab.progress import heartbeat, say
 from lab.settings import REPO, LabSettings
 
 BUILD_DIR = REPO / "build" / "image"
@@ -100,10 +100,9 @@ def ensure_image(variant: str = "cpu") -> BuiltImage:
     if found is not None and not stale:
         return found
     why = "none is built" if found is None else f"{found.name} predates {', '.join(stale)}"
-    print(
+    say(
         f"lab: building the {variant} CT image ({why}): image/build.sh {variant}, minutes; "
-        f"log {BUILD_DIR / (variant + '.log')}",
-        flush=True,
+        f"log {BUILD_DIR / (variant + '.log')}"
     )
     try:  # its phase lines go to the console as they come; the details to its log
         with heartbeat(
@@ -189,7 +188,7 @@ def image_rootfs(settings: LabSettings) -> containers.RootfsMaker:
 
     def make(rootfs: Path, hostname: str) -> None:
         kept = keep_for_lab(ensure_image("cpu"), ct_record_path(settings, hostname))
-        print(f"lab: {hostname} from {kept.name}", flush=True)
+        say(f"lab: {hostname} from {kept.name}")
         rootfs_from_image(kept.path, rootfs, hostname)
 
     return make

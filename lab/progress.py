@@ -6,12 +6,22 @@ build, seeding); a quiet terminal for minutes reads as a hang.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 EVERY_S = 10.0
+_OUTPUT = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Prints one whole line at once: the lab's threads (containers, image, seeding, heartbeats) print side by
+    side, and print() writes the text and its newline separately, so two lines could run into one."""
+    with _OUTPUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 @contextmanager
@@ -22,7 +32,7 @@ def heartbeat(what: str, every: float = EVERY_S) -> Iterator[None]:
 
     def beat() -> None:
         while not done.wait(every):
-            print(f"lab: {what}: still running ({time.monotonic() - start:.0f} s)", flush=True)
+            say(f"lab: {what}: still running ({time.monotonic() - start:.0f} s)")
 
     thread = threading.Thread(target=beat, name="lab-heartbeat", daemon=True)
     thread.start()
@@ -33,4 +43,4 @@ def heartbeat(what: str, every: float = EVERY_S) -> Iterator[None]:
         thread.join()
     elapsed = time.monotonic() - start
     if elapsed >= every:
-        print(f"lab: {what}: done in {elapsed:.0f} s", flush=True)
+        say(f"lab: {what}: done in {elapsed:.0f} s")

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from lab.errors import LabError
-from lab.progress import heartbeat
+from lab.progress import heartbeat, say
 from lab.seed_trainer import NUM_SHARDS
 from lab.services import secret, write_secret
 from lab.settings import REPO, LabSettings
@@ -66,7 +66,7 @@ def ensure_seed_files(settings: LabSettings) -> bool:
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    print(f"lab: seeding the tiny target and {NUM_SHARDS} shards from lab_seed {settings.seed}", flush=True)
+    say(f"lab: seeding the tiny target and {NUM_SHARDS} shards from lab_seed {settings.seed}")
     with heartbeat("seeding the tiny target and shards"):
         proc = subprocess.run(
             [

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.progress import say
 from lab.settings import REPO, LabSettings
 
 START_TIMEOUT_S = 30
@@ -166,7 +167,7 @@ def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
     if pid is not None and answering(d):
         return False
     if pid is not None:
-        print(f"lab: {d.name} (PID {pid}) is not answering on {d.url}; restarting it", flush=True)
+        say(f"lab: {d.name} (PID {pid}) is not answering on {d.url}; restarting it")
         stop_daemon(settings, d)
     owner = port_owner(d.host, d.port)
     if owner is not None:

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -28,6 +29,35 @@ def test_heartbeat_prints_while_a_phase_runs() -> None:
     assert lines[0] == "lab: building a thing: still running (0 s)"
     assert len([line for line in lines if "still running" in line]) >= 2
     assert lines[-1] == "lab: building a thing: done in 1 s"
+
+
+class _YieldingStdout(io.StringIO):
+    """A stdout that lets other threads run inside every write, as a pipe's flush does."""
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        time.sleep(0)
+        return n
+
+
+def test_lines_printed_side_by_side_stay_whole() -> None:
+    """The image build, mmdebstrap, the seeding and their heartbeats print from parallel threads; a first
+    `make smoke-train` showed "...cpu.loglab: building the bookworm root filesystem" (print() writes the text
+    and its newline apart)."""
+    out = _YieldingStdout()
+    lines = {f"lab: thread {t} line {i}" for t in range(3) for i in range(100)}
+
+    def speak(t: int) -> None:
+        for i in range(100):
+            progress.say(f"lab: thread {t} line {i}")
+
+    with redirect_stdout(out):
+        threads = [threading.Thread(target=speak, args=(t,)) for t in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert sorted(out.getvalue().splitlines()) == sorted(lines)
 
 
 def test_status_shows_pids() -> None:
