@@ -254,7 +254,8 @@ def test_a_save_due_during_the_previous_write_is_deferred_not_waited_for(
     saved = [m.split(":")[0] for m in messages if m.startswith("checkpoint step-")]
     # 2; 4's save made at 5, the first step that found the write done; then 6 and 8 at their turn.
     assert saved == [f"checkpoint step-0000000{i}" for i in (2, 5, 6, 8)], saved
-    assert max(run.drafter.checkpointer.stalls) < 1.0, run.drafter.checkpointer.stalls
+    # Waiting for the held write would stall up to the gate's 30 s; 10 s of slack for a loaded machine.
+    assert max(run.drafter.checkpointer.stalls) < 10.0, run.drafter.checkpointer.stalls
     assert result.checkpoint is not None and result.checkpoint.name == "step-00000008"
 
 
