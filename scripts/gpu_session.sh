@@ -32,7 +32,7 @@ start)
       echo "=== target forward with capture: eager, compiled layers in a CUDA graph, the q/k repeat kept ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
         --variant fp32-reference eager eager-plain graph-layers-opaque graph-plain-layers-opaque \
-        graph-layers-opaque-repeat --out "$STATE/out/target.json" 2>&1 | grep -v "^Loading weights" | tail -n 16
+        graph-layers-opaque-repeat trainer-compiled --out "$STATE/out/target.json" 2>&1 | grep -v "^Loading weights" | tail -n 16
       echo "=== loading the staged model: fast_load against the peers, best and median of 5 ($(date -u +%T))"
       timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --grid --grid-readers 12 \
         --grid-chunk-mb 8 --grid-buffers 1 2>&1 | tail -n 14

@@ -18,6 +18,8 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   compiled-layers-opaque  each whole layer compiled, the linear-attention kernels opaque to dynamo;
   graph-layers-opaque     the same inside the CUDA graph (graph-plain-layers-opaque: its plain forward)
   graph-layers-opaque-repeat  the same with transformers' q/k head repeat kept (skip_repeat=False)
+  trainer-compiled   the trainer's train.target_compile forward (CompiledCapture: layers compiled with
+                     dynamic shapes, FLA opaque, swapped in per call; no CUDA graph)
 Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at
 the end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time
 of one call (no sync: when it is close to the wall time, the forward is bound by launching kernels),
@@ -64,6 +66,7 @@ from bench_drafter import H100_BF16_DENSE_PEAK, KERNEL_KINDS, environment, matmu
 from dflash_trainer.method.layers import target_layer_ids
 from dflash_trainer.model.shapes import SHAPES, write_random_target
 from dflash_trainer.model.target import (
+    CompiledCapture,
     GraphedForward,
     TargetModel,
     compile_layers,
@@ -80,6 +83,7 @@ class Variant:
     graph: bool = False  # replayed from a CUDA graph (the unpadded path)
     capture: bool = True  # False: the plain forward, hooks idle (the base of the capture overhead)
     repeat: bool = False  # True: transformers' own q/k head repeat before the delta rule (before 2026-12-02)
+    trainer: bool = False  # train.target_compile's forward (CompiledCapture: dynamic shapes, no graph)
 
 
 REFERENCE = "fp32-reference"
@@ -98,6 +102,7 @@ VARIANTS: dict[str, Variant] = {
     "graph-layers-opaque": Variant("layers-opaque", graph=True),
     "graph-plain-layers-opaque": Variant("layers-opaque", graph=True, capture=False),
     "graph-layers-opaque-repeat": Variant("layers-opaque", graph=True, repeat=True),
+    "trainer-compiled": Variant(trainer=True),
 }
 # The fastest of 2026-12-02 (graph-layers-opaque) with its plain forward, beside eager and eager-plain.
 DEFAULT_VARIANTS = [
@@ -106,6 +111,7 @@ DEFAULT_VARIANTS = [
     "graph-layers-opaque",
     "graph-plain-layers-opaque",
     "graph-layers-opaque-repeat",
+    "trainer-compiled",
 ]
 OVERHEAD_PAIRS = (  # capture against the plain forward
     ("eager", "eager-plain"),
@@ -150,6 +156,9 @@ def plain_forward(target: TargetModel, masks: Any) -> Callable[[torch.Tensor], t
 
 def variant_forward(target: TargetModel, variant: Variant, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One call of the variant's forward on `ids`; a graph is captured here (its warm-up included)."""
+    if variant.trainer:
+        compiled = CompiledCapture(target)
+        return lambda: compiled(ids).context
     if not variant.graph:
         if variant.capture:
             return lambda: target.capture(ids).context

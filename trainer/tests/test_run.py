@@ -71,6 +71,29 @@ def test_flag_combinations_train(tmp_path, tiny_target, shards, checkpointing, c
     assert result.checkpoint is not None and result.checkpoint.name == "step-00000002"
 
 
+def test_target_compile_trains_as_the_eager_target_does(tmp_path, tiny_target, shards):
+    """train.target_compile: the compiled target's features train the drafter as the eager target's do (same
+    losses and held-out figures; the walk and the figures run the eager layers)."""
+    runs, graphs = {}, {}
+    torch._dynamo.reset()
+    for on in (False, True):
+        seen: list = []
+        cfg = make_config(
+            tmp_path / str(on), tiny_target("qwen3_5"), shards, max_steps=3, eval_every=3,
+            target_compile=on, compile_backend="aot_eager",
+        )  # fmt: skip
+        train(cfg, hooks=[seen.append])
+        runs[on] = seen
+        graphs[on] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs[False] == 0 and graphs[True] > 0  # only the target's layers compile, and only when asked
+    assert [m.loss for m in runs[True]] == pytest.approx([m.loss for m in runs[False]], rel=1e-4)
+    figures = ("loss", "anchor_accept", "acc_1", "acc_2", "acc_3")
+    assert [runs[True][-1].eval[k] for k in figures] == pytest.approx(
+        [runs[False][-1].eval[k] for k in figures], rel=1e-4
+    )
+
+
 def test_resume_is_exact(tmp_path, tiny_target, shards):
     target = tiny_target("qwen3_5")
     straight = train(make_config(tmp_path / "a", target, shards))

@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from dflash_trainer.model.target import (
     COMPILE_SCOPES,
+    CompiledCapture,
     GraphedForward,
     compile_layers,
     graph_features,
@@ -74,3 +75,33 @@ def test_graph_replay_equals_eager_on_cuda(tiny_target, kind: str) -> None:
     for seed in (1, 2):  # new inputs through the static buffer: the replay recomputes
         ids = _ids(seed).cuda()
         torch.testing.assert_close(graphed(ids).clone(), target.capture(ids).context, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_next"])  # the VL wrapper's layers are qwen3_5's
+def test_compiled_capture_equals_capture_at_every_length_and_leaves_the_layers_eager(
+    tiny_target, kind
+) -> None:
+    """train.target_compile's forward: the same features as `capture` for rows of any length and a padded
+    batch, one compile for all of them (dynamic shapes), and the class's forward back on every layer after
+    each call, so the walk and the held-out figures stay eager."""
+    target = load_target(tiny_target(kind), layer_ids=LAYER_IDS)
+    compiled = CompiledCapture(target, backend="aot_eager")
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 15:] = False
+
+    def same(ids: torch.Tensor, attention: torch.Tensor | None = None) -> None:
+        expected = target.capture(ids, attention).context
+        torch.testing.assert_close(compiled(ids, attention).context, expected, rtol=1e-5, atol=1e-5)
+        assert all("forward" not in layer.__dict__ for layer in target.model.model.layers)
+
+    torch._dynamo.reset()
+    try:
+        same(_ids(0))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not eager in disguise
+        torch._dynamo.config.error_on_recompile = True  # another row length must not compile again
+        same(_ids(1, (2, 17)))
+        torch._dynamo.config.error_on_recompile = False  # a padded batch's mask is a graph of its own
+        same(_ids(2), mask)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()

@@ -89,6 +89,9 @@ class LoopConfig:
     gradient_checkpointing: bool = False
     compile: bool = False
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: capture without codegen
+    # The target's layers compiled for the training forward only (model.target.CompiledCapture; the walk and
+    # the held-out figures stay eager), with compile_backend. Off until a GPU rehearsal has run it (issue 17).
+    target_compile: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     loss_chunk: int = 2048  # block positions per chunk of the lm_head + cross-entropy

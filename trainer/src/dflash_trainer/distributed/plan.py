@@ -10,6 +10,7 @@ efficiency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 from collections.abc import Callable
@@ -88,19 +89,21 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
 def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, iters: int) -> tuple:
     """(plain forward s, capture s, captured batch) of one target; the target is dropped on return."""
     from dflash_trainer.data.batch import TargetBatch
-    from dflash_trainer.train.run import autocast
+    from dflash_trainer.train.run import autocast, training_capture
 
     cfg = setup.cfg
     target = setup.make_target(cfg.drafter.target_layer_ids)
     body = target.model.model
+    forward = training_capture(target, cfg)
+    layers_as_trained = getattr(forward, "swapped_in", contextlib.nullcontext)  # compiled ones, if compiled
 
     def plain() -> None:
-        with torch.no_grad(), autocast(cfg, device):
+        with torch.no_grad(), autocast(cfg, device), layers_as_trained():
             body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
 
     def capture() -> Any:
         with autocast(cfg, device):
-            return target.capture(batch.input_ids, batch.attention_mask, batch.loss_mask)
+            return forward(batch.input_ids, batch.attention_mask, batch.loss_mask)
 
     # The plain forward runs with the capture hooks taken off the layers, then they are put back.
     saved = [(layer, dict(layer._forward_hooks)) for layer in body.layers if layer._forward_hooks]

@@ -98,6 +98,16 @@ def autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractConte
     return contextlib.nullcontext()
 
 
+def training_capture(target: Any, cfg: TrainConfig) -> Callable[..., TargetBatch]:
+    """The target forward of a training step: `target.capture`, or with train.target_compile its compiled
+    layers (model.target.CompiledCapture); the walk and the held-out figures call `target.capture` itself."""
+    if not cfg.train.target_compile:
+        return target.capture
+    from dflash_trainer.model.target import CompiledCapture
+
+    return CompiledCapture(target, backend=cfg.train.compile_backend)
+
+
 def objective_config(cfg: TrainConfig) -> ObjectiveConfig:
     d = cfg.drafter
     return ObjectiveConfig(
@@ -455,6 +465,7 @@ class TargetSide:
         self.setup, self.cfg, self.device = setup, setup.cfg, setup.device
         with startup.phase("target"):
             self.target = setup.make_target(self.cfg.drafter.target_layer_ids)
+            self.capture = training_capture(self.target, self.cfg)
         with startup.phase("data stream"):
             self.rows = setup.make_rows()
         # Held-out rows are loaded wherever evaluation may run; train.eval_every says when it does.
@@ -475,7 +486,7 @@ class TargetSide:
 
     def forward(self, batch: Batch) -> TargetBatch:
         with autocast(self.cfg, self.device):
-            out = self.target.capture(batch.input_ids, batch.attention_mask, batch.loss_mask)
+            out = self.capture(batch.input_ids, batch.attention_mask, batch.loss_mask)
         return TargetBatch(out.input_ids, out.loss_mask, out.context.to(self.setup.dtype))
 
     def evaluate(self, step: int, drafter: nn.Module) -> dict[str, float]:
