@@ -5,6 +5,7 @@
 # 2. python -m dflash_trainer.service.rehearse: a random Qwen3.6-27B-shaped target in /dev/shm, then preflight,
 #    launch -- serve (READY, steps 1-50, SIGTERM -> checkpoint, exit 0), launch -- serve (resume, steps 51-100),
 #    export, export --check, the smoke summary and PASS or FAIL. One rank per GPU (one GPU: one process).
+# TARGET_COMPILE=1: the reference configuration with train.target_compile = true.
 # State (the target, checkpoints of ~27 GB each) stays under STATE; logs and figures are copied to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-rehearsal}
@@ -18,7 +19,13 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests/test_kernels.py 2>&1 | tail -n 15
 fi
 echo "=== rehearsal"
-python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "$@"
+config=()
+if [ "${TARGET_COMPILE:-0}" = 1 ]; then  # the reference configuration with train.target_compile on (issue 17)
+  sed 's/^target_compile = false$/target_compile = true/' trainer/configs/reference.toml >"$STATE/reference-compiled.toml"
+  grep -q '^target_compile = true$' "$STATE/reference-compiled.toml" || { echo "no target_compile key to turn on"; exit 2; }
+  config=(--config "$STATE/reference-compiled.toml")
+fi
+python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@"
 rc=$?
 cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
 exit $rc
