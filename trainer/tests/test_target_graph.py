@@ -77,21 +77,18 @@ def test_graph_replay_equals_eager_on_cuda(tiny_target, kind: str) -> None:
         torch.testing.assert_close(graphed(ids).clone(), target.capture(ids).context, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_next"])  # the VL wrapper's layers are qwen3_5's
-def test_compiled_capture_equals_capture_at_every_length_and_leaves_the_layers_eager(
-    tiny_target, kind
-) -> None:
+def _compiled_capture_matches(target, backend: str, tol: float) -> None:
     """train.target_compile's forward: the same features as `capture` for rows of any length and a padded
-    batch, one compile for all of them (dynamic shapes), and the class's forward back on every layer after
+    batch, one compile for every length (dynamic shapes), and the class's forward back on every layer after
     each call, so the walk and the held-out figures stay eager."""
-    target = load_target(tiny_target(kind), layer_ids=LAYER_IDS)
-    compiled = CompiledCapture(target, backend="aot_eager")
-    mask = torch.ones(2, 24, dtype=torch.bool)
+    compiled = CompiledCapture(target, backend=backend)
+    mask = torch.ones(2, 24, dtype=torch.bool, device=target.device)
     mask[1, 15:] = False
 
     def same(ids: torch.Tensor, attention: torch.Tensor | None = None) -> None:
+        ids = ids.to(target.device)
         expected = target.capture(ids, attention).context
-        torch.testing.assert_close(compiled(ids, attention).context, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(ids, attention).context, expected, rtol=tol, atol=tol)
         assert all("forward" not in layer.__dict__ for layer in target.model.model.layers)
 
     torch._dynamo.reset()
@@ -105,3 +102,19 @@ def test_compiled_capture_equals_capture_at_every_length_and_leaves_the_layers_e
     finally:
         torch._dynamo.config.error_on_recompile = False
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "qwen3_next"])  # the VL wrapper's layers are qwen3_5's
+def test_compiled_capture_equals_capture_at_every_length_and_leaves_the_layers_eager(
+    tiny_target, kind
+) -> None:
+    _compiled_capture_matches(load_target(tiny_target(kind), layer_ids=LAYER_IDS), "aot_eager", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_compiled_capture_with_inductor_and_fla_on_cuda(tiny_target, kind: str) -> None:
+    pytest.importorskip("fla")
+    target = load_target(tiny_target(kind), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
+    _compiled_capture_matches(target, "inductor", 1e-4)
