@@ -153,6 +153,7 @@ def _kernels_opaque_to_dynamo() -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_next import modeling_qwen3_next
 
+    install_device_dispatch()  # first, so that the opaque wrappers wrap the dispatch
     for module in (modeling_qwen3_5, modeling_qwen3_next):
         for name in _KERNEL_NAMES:
             fn = getattr(module, name, None)
@@ -172,7 +173,6 @@ def compile_layers(target: TargetModel, scope: str = "layers") -> None:
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     if scope == "layers-opaque":
-        install_device_dispatch()  # first, so that the opaque wrappers wrap the dispatch
         _kernels_opaque_to_dynamo()
     for layer in target.model.model.layers:
         if scope in ("layers", "layers-opaque"):
@@ -194,7 +194,6 @@ class CompiledCapture:
     to fixed shapes and no recompile per length; the capture hooks stay outside, in the module's call."""
 
     def __init__(self, target: TargetModel, backend: str = "inductor") -> None:
-        install_device_dispatch()  # first, so that the opaque wrappers wrap the dispatch
         _kernels_opaque_to_dynamo()
         self.target = target
         self.layers = list(target.model.model.layers)
