@@ -7,8 +7,8 @@
 # scripts/gpu_rehearsal.sh, then the drafter benchmark (flex against dense, then a profile of its step), the
 # target forward's benchmark (fp32, eager, compiled layers in a CUDA graph, each with its plain forward, and with
 # transformers' q/k repeat), fast_load against the peers, then our step against SpecForge's (issue 17; carry its wheel,
-# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies; SESSION_BENCHES=0 skips
-# the three benchmarks). `poll` waits, then copies the
+# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). SESSION_BENCHES names
+# the benchmarks to run (default "drafter target load specforge"; 0: none). `poll` waits, then copies the
 # session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
@@ -20,22 +20,32 @@ start)
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
+    lscpu | grep -E "^(Model name|Socket|Core|Thread|L3|NUMA node\(s\))" | sed "s/^/host: /"
+    bench_on() { [[ " ${SESSION_BENCHES:-drafter target load specforge} " == *" $1 "* ]]; }
     echo "=== GPU tests ($(date -u +%T))"
     timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
     echo "=== rehearsal ($(date -u +%T))"
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
-    if [ "${SESSION_BENCHES:-1}" = 1 ]; then
+    if bench_on drafter; then
       echo "=== drafter step: flex against dense first, then timed and profiled ($(date -u +%T))"
       timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
         --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
-      echo "=== target forward with capture: eager, compiled layers in a CUDA graph, the q/k repeat kept ($(date -u +%T))"
+    fi
+    if bench_on target; then
+      echo "=== target forward with capture: eager, compiled layers (static, in a CUDA graph), train.target_compile ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
-        --variant fp32-reference eager eager-plain graph-layers-opaque graph-plain-layers-opaque \
-        graph-layers-opaque-repeat trainer-compiled --out "$STATE/out/target.json" 2>&1 | grep -v "^Loading weights" | tail -n 16
-      echo "=== loading the staged model: fast_load against the peers, best and median of 5 ($(date -u +%T))"
-      timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --grid --grid-readers 12 \
-        --grid-chunk-mb 8 --grid-buffers 1 2>&1 | tail -n 14
+        --trace-dir "$STATE/out/target-traces" --variant fp32-reference eager eager-plain compiled-layers-opaque \
+        graph-layers-opaque graph-plain-layers-opaque trainer-compiled --out "$STATE/out/target.json" 2>&1 |
+        grep -v "^Loading weights" | tail -n 16
+      tar czf "$STATE/out/target-traces.tgz" -C "$STATE/out" target-traces 2>/dev/null
+    fi
+    if bench_on load; then
+      echo "=== loading the staged model: fast_load against the peers, then its readers x chunks, best and median of 7 ($(date -u +%T))"
+      timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 --grid \
+        --grid-readers 8 10 12 14 --grid-chunk-mb 8 12 --grid-buffers 1 2>&1 | tail -n 20
+    fi
+    if bench_on specforge; then
       echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_specforge.py --device cuda --out "$STATE/out/specforge.json" 2>&1 |
         tail -n 4
@@ -49,7 +59,7 @@ poll)
   if [ -n "${OUT:-}" ]; then
     cp "$LOG" "$OUT"/ 2>/dev/null
     cp "$STATE"/run/*.log "$STATE"/run/rehearsal.json "$STATE"/out/drafter.json "$STATE"/out/specforge.json \
-      "$STATE"/out/target.json "$OUT"/ 2>/dev/null
+      "$STATE"/out/target.json "$STATE"/out/target-traces.tgz "$OUT"/ 2>/dev/null
   fi
   free -g | sed 's/^/host memory: /'
   tail -n 80 "$LOG"

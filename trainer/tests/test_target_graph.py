@@ -60,6 +60,25 @@ def test_compiled_layers_with_opaque_kernels_equal_eager(tiny_target) -> None:
     torch._dynamo.reset()
 
 
+def test_the_delta_rule_gets_contiguous_inputs_from_inside_the_compiled_graph(tiny_target) -> None:
+    """q, k and v are strided views of the conv's output; made contiguous in the compiled graph before the
+    opaque kernel, inductor copies them instead of FLA's input guard doing it eagerly on the GPU."""
+    outputs: list[list[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]):
+        (out,) = (n for n in gm.graph.nodes if n.op == "output")
+        outputs.append([str(n.target) for n in out.all_input_nodes])
+        return gm.forward
+
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    try:
+        CompiledCapture(target, backend=backend)(_ids(0))
+        # the graph that ends at the delta rule hands it three contiguous tensors
+        assert max(out.count("contiguous") for out in outputs) == 3
+    finally:
+        torch._dynamo.reset()
+
+
 def test_graphed_forward_needs_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         GraphedForward(lambda x: x * 2, torch.zeros(3))
@@ -89,7 +108,8 @@ def _compiled_capture_matches(target, backend: str, tol: float) -> None:
         ids = ids.to(target.device)
         expected = target.capture(ids, attention).context
         torch.testing.assert_close(compiled(ids, attention).context, expected, rtol=tol, atol=tol)
-        assert all("forward" not in layer.__dict__ for layer in target.model.model.layers)
+        stack = [*target.model.model.layers, target.model.model.norm]
+        assert all("forward" not in module.__dict__ for module in stack)
 
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # a count over the whole process

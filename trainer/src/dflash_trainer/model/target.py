@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import time
@@ -59,7 +60,7 @@ def _truncated(cfg: PreTrainedConfig, num_layers: int) -> PreTrainedConfig:
 
 
 class _StopForward(Exception):
-    """Ends a capture after the last captured layer when later layers are loaded (for the decode walk)."""
+    """Ends a capture after the last captured layer (later layers are loaded for the decode walk)."""
 
 
 class TargetModel:
@@ -80,7 +81,9 @@ class TargetModel:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False  # hooks record only inside capture(), not in other forwards (the walk's)
         layers = model.model.layers
-        self._stop_after = max(self.layer_ids) if max(self.layer_ids) < len(layers) - 1 else None
+        # Stop after the last captured layer even when it is the last one loaded: past it the model would
+        # only run its final norm (eager, in fp32), whose output capture does not read.
+        self._stop_after = max(self.layer_ids)
         for i in self.layer_ids:
             layers[i].register_forward_hook(self._hook(i))
 
@@ -159,8 +162,25 @@ def _kernels_opaque_to_dynamo() -> None:
             fn = getattr(module, name, None)
             if fn is not None and not getattr(fn, _OPAQUE, False):
                 opaque = torch.compiler.disable(fn)
+                if name != "causal_conv1d_fn":
+                    opaque = _contiguous_qkv_first(opaque)
                 setattr(opaque, _OPAQUE, True)
                 setattr(module, name, opaque)
+
+
+def _contiguous_qkv_first(opaque: Callable[..., Any]) -> Callable[..., Any]:
+    """The delta rule's query, key and value made contiguous before the opaque call, inside the compiled
+    graph: they are strided views of the conv's output, which FLA's input guard would otherwise copy eagerly
+    (a 52 us strided copy of the value per layer in the 27B-shaped slice's trace, 2026-12-02)."""
+
+    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return opaque(query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
+
+    # The name and the device dispatch's marks, not dynamo's: with `_torchdynamo_disable` copied over, dynamo
+    # would leave this wrapper opaque as well, and the copies eager.
+    functools.update_wrapper(call, opaque, updated=())
+    call.__dict__.update({k: v for k, v in opaque.__dict__.items() if not k.startswith("_torchdynamo")})
+    return call
 
 
 def compile_layers(target: TargetModel, scope: str = "layers") -> None:
@@ -168,21 +188,29 @@ def compile_layers(target: TargetModel, scope: str = "layers") -> None:
     of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
     module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
     "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward with the
-    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`). Parameter names, and with them the
-    fast load and the decode walk, are unchanged."""
+    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm too (capture
+    applies it to the model's last layer). Parameter names, and with them the fast load and the decode walk,
+    are unchanged."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     if scope == "layers-opaque":
         _kernels_opaque_to_dynamo()
+    if scope in ("layers", "layers-opaque"):
+        for module in _stack(target):
+            module.forward = torch.compile(module.forward, dynamic=False)
+        return
     for layer in target.model.model.layers:
-        if scope in ("layers", "layers-opaque"):
-            layer.forward = torch.compile(layer.forward, dynamic=False)
-            continue
         parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
         if scope == "mlp-norm" and hasattr(layer, "linear_attn"):
             parts.append(layer.linear_attn.norm)
         for part in parts:
             part.forward = torch.compile(part.forward, dynamic=False)
+
+
+def _stack(target: TargetModel) -> list[nn.Module]:
+    """What a capture runs after the embedding: the decoder layers and the final norm (which it applies to
+    the model's last layer when that one is captured: an eager fp32 norm in a compiled forward otherwise)."""
+    return [*target.model.model.layers, target.model.model.norm]
 
 
 class CompiledCapture:
@@ -191,28 +219,29 @@ class CompiledCapture:
     35.4 ms on the 27B-shaped slice). The compiled forwards are swapped in for each call and out after it: the
     decode walk and the held-out figures run the same layers at shapes that change every call (a recompile
     each) and stay eager. dynamic=True: rows of every length share one graph per layer kind, with no padding
-    to fixed shapes and no recompile per length; the capture hooks stay outside, in the module's call."""
+    to fixed shapes and no recompile per length; the capture hooks stay outside, in the module's call. The
+    final norm is compiled and swapped in alike."""
 
     def __init__(self, target: TargetModel, backend: str = "inductor") -> None:
         _kernels_opaque_to_dynamo()
         self.target = target
-        self.layers = list(target.model.model.layers)
-        self.compiled = [torch.compile(layer.forward, dynamic=True, backend=backend) for layer in self.layers]
+        self.modules = _stack(target)
+        self.compiled = [torch.compile(m.forward, dynamic=True, backend=backend) for m in self.modules]
 
     @contextlib.contextmanager
     def swapped_in(self):
-        """The compiled forwards on the layers inside the block; what each layer had before, after it."""
-        own = [layer.__dict__.get("forward") for layer in self.layers]
-        for layer, fn in zip(self.layers, self.compiled, strict=True):
-            layer.forward = fn
+        """The compiled forwards on the modules inside the block; what each module had before, after it."""
+        own = [m.__dict__.get("forward") for m in self.modules]
+        for module, fn in zip(self.modules, self.compiled, strict=True):
+            module.forward = fn
         try:
             yield
         finally:
-            for layer, fn in zip(self.layers, own, strict=True):
+            for module, fn in zip(self.modules, own, strict=True):
                 if fn is None:
-                    del layer.forward  # the class's forward again
+                    del module.forward  # the class's forward again
                 else:
-                    layer.forward = fn
+                    module.forward = fn
 
     def __call__(
         self,
