@@ -188,9 +188,9 @@ def compile_layers(target: TargetModel, scope: str = "layers") -> None:
     of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
     module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
     "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward with the
-    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm too (capture
-    applies it to the model's last layer). Parameter names, and with them the fast load and the decode walk,
-    are unchanged."""
+    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm too
+    (capture applies it to the model's last layer). Parameter names, and with them the fast load and the
+    decode walk, are unchanged."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     if scope == "layers-opaque":
