@@ -3,13 +3,14 @@
 #   device run (carry .whl):  bash scripts/gpu_session.sh start [REHEARSE ARGS]   # returns at once
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
-# decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), then
-# scripts/gpu_rehearsal.sh, then the drafter benchmark (flex against dense, then a profile of its step), the
-# target forward's benchmark (fp32, eager, compiled layers in a CUDA graph, each with its plain forward, and with
-# transformers' q/k repeat), fast_load against the peers, then our step against SpecForge's (issue 17; carry its wheel,
-# specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without dependencies). SESSION_BENCHES names
-# the benchmarks to run (default "drafter target load specforge"; 0: none). `poll` waits, then copies the
-# session log, the rehearsal's phase logs and rehearsal.json into $OUT (what the device tool brings back).
+# decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), fast_load against
+# the peers and over a grid of its settings, scripts/gpu_rehearsal.sh, then the drafter benchmark (flex against
+# dense, then a profile of its step), the target forward's benchmark (fp32, eager, compiled layers with and without
+# a CUDA graph, their plain forwards, the trainer's compiled forward; traces kept), then our step against
+# SpecForge's (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel
+# without dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge";
+# 0: none). `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the
+# benchmarks' JSON and traces into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
 LOG=$STATE/session.log
@@ -24,6 +25,14 @@ start)
     bench_on() { [[ " ${SESSION_BENCHES:-drafter target load specforge} " == *" $1 "* ]]; }
     echo "=== GPU tests ($(date -u +%T))"
     timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
+    # the loader first, on an idle host: run after a rehearsal (60 GB left in /dev/shm, ~100 GB of checkpoints
+    # just written) it gave 15-21 GB/s where it had given 45 (2026-12-02)
+    if bench_on load; then
+      sync
+      echo "=== loading the staged model: fast_load against the peers, then its readers x chunks, best and median of 7 ($(date -u +%T))"
+      timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 --grid \
+        --grid-readers 8 10 12 14 --grid-chunk-mb 8 12 --grid-buffers 1 2>&1 | tail -n 20
+    fi
     echo "=== rehearsal ($(date -u +%T))"
     OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
     rc=$?
@@ -39,11 +48,6 @@ start)
         graph-layers-opaque graph-plain-layers-opaque trainer-compiled --out "$STATE/out/target.json" 2>&1 |
         grep -v "^Loading weights" | tail -n 16
       tar czf "$STATE/out/target-traces.tgz" -C "$STATE/out" target-traces 2>/dev/null
-    fi
-    if bench_on load; then
-      echo "=== loading the staged model: fast_load against the peers, then its readers x chunks, best and median of 7 ($(date -u +%T))"
-      timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 --grid \
-        --grid-readers 8 10 12 14 --grid-chunk-mb 8 12 --grid-buffers 1 2>&1 | tail -n 20
     fi
     if bench_on specforge; then
       echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"

@@ -203,6 +203,21 @@ def grid(path: Path, nbytes: int, device: torch.device, args: argparse.Namespace
                 print(f"  grid {opts}: best {best:6.2f} GB/s, median {median:6.2f}")
 
 
+HOST_MEMORY_KEYS = ("MemAvailable", "Shmem", "Dirty", "Writeback")
+
+
+def host_memory(meminfo: str = "/proc/meminfo") -> str:
+    """The host's memory as the loader finds it: reads from /dev/shm compete with whatever else moves host
+    memory (2026-12-02: run after a rehearsal that left 60 GB in /dev/shm and had just written ~100 GB of
+    checkpoints, fast_load fell from 45 to 15-21 GB/s while the pinned copy alone stayed at 55)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines() if ":" in line)
+    except OSError:
+        return "host memory: unknown (no /proc/meminfo)"
+    gib = {k: int(fields[k].split()[0]) / 2**20 for k in HOST_MEMORY_KEYS if k in fields}
+    return "host memory: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in gib.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=8.0)
@@ -244,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device: {device} ({name}), torch {torch.__version__}, {os.cpu_count()} CPUs")
+        print(host_memory(), "(before)")
         options = {"chunk_mb": args.chunk_mb, "num_buffers": args.buffers, "readers": args.readers}
         print(f"fast_load options: {options}")
 
@@ -321,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(devices)} devices     {total / seconds / GB:7.2f} GB/s aggregate, "
                 f"{nbytes / seconds / GB:.2f} GB/s per device (all loading the same file at once)"
             )
+        print(host_memory(), "(after)")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
