@@ -25,6 +25,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
+from dflash_trainer.model import kernel_ops
 from dflash_trainer.model.kernels import install_device_dispatch, skip_qk_head_repeat
 
 log = logging.getLogger("dflash_trainer.target")
@@ -149,38 +150,23 @@ _OPAQUE = "_dflash_opaque_to_dynamo"
 
 
 def _kernels_opaque_to_dynamo() -> None:
-    """The Gated DeltaNet's kernels behind torch.compiler.disable: dynamo traced FLA's Triton kernels badly
-    (scope "layers": 10 graphs, 2.3x slower); as opaque calls, the compiled graphs end before them and resume
-    after, so the casts, copies and norms around them still fuse. Outside a compiled region a no-op;
-    idempotent (the device dispatch's marks travel with functools.wraps)."""
+    """The Gated DeltaNet's kernels opaque to dynamo: dynamo traced FLA's Triton kernels badly (scope
+    "layers": 10 graphs, 2.3x slower). The training forward's calls go to torch custom ops (model.kernel_ops:
+    one graph per layer, the casts, copies and norms around the kernels fused by inductor); any other call to
+    the kernel behind torch.compiler.disable (a graph break). Outside a compiled region the same results as
+    the device dispatch; idempotent (the dispatch's marks are copied onto the wrapper)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    install_device_dispatch()  # first, so that the opaque wrappers wrap the dispatch
+    install_device_dispatch()  # first, so that the wrappers wrap the dispatch
     for module in (modeling_qwen3_5, modeling_qwen3_next):
         for name in _KERNEL_NAMES:
             fn = getattr(module, name, None)
             if fn is not None and not getattr(fn, _OPAQUE, False):
-                opaque = torch.compiler.disable(fn)
-                if name != "causal_conv1d_fn":
-                    opaque = _contiguous_qkv_first(opaque)
-                setattr(opaque, _OPAQUE, True)
-                setattr(module, name, opaque)
-
-
-def _contiguous_qkv_first(opaque: Callable[..., Any]) -> Callable[..., Any]:
-    """The delta rule's query, key and value made contiguous before the opaque call, inside the compiled
-    graph: they are strided views of the conv's output, which FLA's input guard would otherwise copy eagerly
-    (a 52 us strided copy of the value per layer in the 27B-shaped slice's trace, 2026-12-02)."""
-
-    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return opaque(query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
-
-    # The name and the device dispatch's marks, not dynamo's: with `_torchdynamo_disable` copied over, dynamo
-    # would leave this wrapper opaque as well, and the copies eager.
-    functools.update_wrapper(call, opaque, updated=())
-    call.__dict__.update({k: v for k, v in opaque.__dict__.items() if not k.startswith("_torchdynamo")})
-    return call
+                wrapper = kernel_ops.traced(module.__name__, name, fn, torch.compiler.disable(fn))
+                functools.update_wrapper(wrapper, fn)  # the name and the dispatch's marks (fn's __dict__)
+                setattr(wrapper, _OPAQUE, True)
+                setattr(module, name, wrapper)
 
 
 def compile_layers(target: TargetModel, scope: str = "layers") -> None:
