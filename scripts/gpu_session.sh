@@ -4,12 +4,11 @@
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), fast_load against
-# the peers and over a grid of its settings, scripts/gpu_rehearsal.sh, then the drafter benchmark (flex against
-# dense, then a profile of its step), the target forward's benchmark (fp32, eager, compiled layers with and without
-# a CUDA graph, their plain forwards, the trainer's compiled forward; traces kept), then our step against
-# SpecForge's (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel
-# without dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge";
-# 0: none). `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the
+# the peers and over a grid of its settings, the target forward's benchmark (fp32, eager, compiled layers with and
+# without a CUDA graph, their plain forwards, the trainer's compiled forward; traces kept), scripts/gpu_rehearsal.sh,
+# then the drafter benchmark (flex against dense, then a profile of its step) and our step against SpecForge's
+# (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
+# dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none). `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the
 # benchmarks' JSON and traces into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
@@ -17,7 +16,7 @@ LOG=$STATE/session.log
 case ${1:-} in
 start)
   shift
-  mkdir -p "$STATE"
+  mkdir -p "$STATE/out"
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
@@ -33,14 +32,7 @@ start)
       timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 --grid \
         --grid-readers 8 10 12 14 --grid-chunk-mb 8 12 --grid-buffers 1 2>&1 | tail -n 20
     fi
-    echo "=== rehearsal ($(date -u +%T))"
-    OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
-    rc=$?
-    if bench_on drafter; then
-      echo "=== drafter step: flex against dense first, then timed and profiled ($(date -u +%T))"
-      timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
-        --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
-    fi
+    # the target forward next, on a cool GPU: after the rehearsal the same GEMMs took 24.4 or 27.3 ms (2026-12-02)
     if bench_on target; then
       echo "=== target forward with capture: eager, compiled layers (static, in a CUDA graph), train.target_compile ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
@@ -48,6 +40,14 @@ start)
         graph-layers-opaque graph-plain-layers-opaque trainer-compiled --out "$STATE/out/target.json" 2>&1 |
         grep -v "^Loading weights" | tail -n 16
       tar czf "$STATE/out/target-traces.tgz" -C "$STATE/out" target-traces 2>/dev/null
+    fi
+    echo "=== rehearsal ($(date -u +%T))"
+    OUT=$STATE/out SKIP_GPU_TESTS=1 bash scripts/gpu_rehearsal.sh "$@"
+    rc=$?
+    if bench_on drafter; then
+      echo "=== drafter step: flex against dense first, then timed and profiled ($(date -u +%T))"
+      timeout 360 python3 trainer/bench/bench_drafter.py --device cuda --hidden 5120 --layers 5 --no-extras \
+        --profile 3 --out "$STATE/out/drafter.json" 2>&1 | tail -n 6
     fi
     if bench_on specforge; then
       echo "=== our drafter step against SpecForge 0.2.0 ($(date -u +%T))"
