@@ -8,8 +8,9 @@
 # without a CUDA graph, their plain forwards, the trainer's compiled forward; traces kept), scripts/gpu_rehearsal.sh,
 # then the drafter benchmark (flex against dense, then a profile of its step) and our step against SpecForge's
 # (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
-# dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none). `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the
-# benchmarks' JSON and traces into $OUT (what the device tool brings back).
+# dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none).
+# `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the benchmarks' JSON
+# and traces into $OUT (what the device tool brings back).
 set -u
 export STATE=${STATE:-/var/tmp/dflash-rehearsal}
 LOG=$STATE/session.log
