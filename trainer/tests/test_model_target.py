@@ -37,6 +37,17 @@ def test_capture_equals_layer_outputs(tiny_target, kind: str) -> None:
     assert batch.loss_mask.all() and torch.equal(batch.input_ids, ids)
 
 
+@pytest.mark.parametrize(("layer_ids", "norms"), [(LAYER_IDS, 0), ([1, 4, 7], 1)])
+def test_capture_runs_the_final_norm_only_for_the_models_last_layer(tiny_target, layer_ids, norms) -> None:
+    """The forward stops after the last captured layer: the model's own final norm past it (eager, fp32,
+    its output unread) never runs; capture applies the norm itself to the model's last layer (index 7)."""
+    target = load_target(tiny_target("qwen3_5"), layer_ids=layer_ids)
+    calls = []
+    target.model.model.norm.register_forward_hook(lambda *_: calls.append(1))
+    target.capture(torch.randint(0, TINY_MASK_TOKEN_ID, (1, 12), generator=torch.Generator().manual_seed(0)))
+    assert len(calls) == norms
+
+
 def test_frozen_truncated_and_shaped(tiny_target) -> None:
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
     assert target.num_layers == 8 and target.hidden_size == 64

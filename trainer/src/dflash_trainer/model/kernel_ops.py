@@ -12,9 +12,8 @@ that graph by inductor instead of eagerly by FLA's input guard.
 
 The delta rule's op covers the training forward's calls: whole sequences, no state in or out, no packed
 sequences; other calls (the decode walk's cached steps) go to the opaque function as before. The causal
-conv is stateless, so every call takes its op. Each op runs the device dispatch
-of model.kernels (FLA on CUDA, transformers' torch implementation elsewhere), looked up by the modelling
-module it was installed for.
+conv is stateless, so every call takes its op. Each op runs the device dispatch of model.kernels (FLA on
+CUDA, transformers' torch implementation elsewhere) of the modelling module it was installed for.
 """
 
 from __future__ import annotations
