@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash_trainer.model.kernels import CHUNK_OP, CONV_OP
+
 # (modelling module name, kernel name) -> the device dispatch the op runs; filled by `traced`.
 _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {}
-_CONV, _CHUNK = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 
 
 @torch.library.custom_op("dflash::causal_conv1d", mutates_args=())
@@ -34,7 +35,7 @@ def causal_conv1d(
     module: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
     """x [B, T, D] -> [B, T, D], contiguous (FLA's layout; transformers' conv takes and gives [B, D, T])."""
-    out = _DISPATCH[(module, _CONV)](x.transpose(1, 2), weight, bias, activation=activation)
+    out = _DISPATCH[(module, CONV_OP)](x.transpose(1, 2), weight, bias, activation=activation)
     return out.transpose(1, 2).contiguous()
 
 
@@ -54,7 +55,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool,
 ) -> torch.Tensor:
     """The delta rule over whole sequences, no initial or final state: [B, T, HV, V], contiguous."""
-    out, _state = _DISPATCH[(module, _CHUNK)](
+    out, _state = _DISPATCH[(module, CHUNK_OP)](
         query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
     )
     return out.contiguous()
@@ -71,7 +72,7 @@ def traced(
     """What the modelling module calls under `name` in compiled layers: the custom op for the training
     forward's calls, `opaque` (the dispatch behind torch.compiler.disable) for any other."""
     _DISPATCH[(module, name)] = dispatch
-    if name == _CONV:
+    if name == CONV_OP:
         # The layers hand the conv and the delta rule their own **kwargs (position ids and the like), which
         # neither the FLA kernels nor transformers' torch functions read.
         def conv(
@@ -82,7 +83,7 @@ def traced(
             return op(module, hidden_states.transpose(1, 2), weight, bias, activation).transpose(1, 2)
 
         return conv
-    if name == _CHUNK:
+    if name == CHUNK_OP:
 
         def chunk(
             query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,

@@ -29,8 +29,11 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next
 
-_OPS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-_CONV = "causal_conv1d_fn"
+# The linear-attention kernels' names in transformers' hybrid modelling modules (model.target and
+# model.kernel_ops replace the same names for compiled layers).
+CHUNK_OP = "torch_chunk_gated_delta_rule"
+DELTA_RULE_OPS = (CHUNK_OP, "torch_recurrent_gated_delta_rule")
+CONV_OP = "causal_conv1d_fn"
 _MARK = "_dflash_device_dispatch"
 
 
@@ -96,16 +99,16 @@ def _fla_imports() -> bool:
 
 
 def _install(module: ModuleType) -> None:
-    for name in _OPS:
+    for name in DELTA_RULE_OPS:
         op = getattr(module, name)
         if getattr(op, _MARK, False):
             continue
         # The hub-kernel wrapper keeps transformers' own torch function as __wrapped__.
         setattr(module, name, _delta_rule_dispatcher(op, getattr(op, "__wrapped__", op), _fla_imports()))
-    conv = getattr(module, _CONV, None)
+    conv = getattr(module, CONV_OP, None)
     if conv is not None and not getattr(conv, _MARK, False):
         # inspect.unwrap reaches transformers' own torch conv under the hub and fallback wrappers.
-        setattr(module, _CONV, _dispatcher(fla_causal_conv1d_fn, inspect.unwrap(conv)))
+        setattr(module, CONV_OP, _dispatcher(fla_causal_conv1d_fn, inspect.unwrap(conv)))
 
 
 def install_device_dispatch() -> None:
@@ -135,7 +138,7 @@ def skip_qk_head_repeat(model: nn.Module) -> int:
     source = inspect.getsource(layer_cls)
     if source.count("num_k_heads") != _NUM_K_HEADS_MENTIONS or _REPEAT_GUARD not in source:
         return 0
-    if not all(getattr(getattr(modeling_qwen3_5, name), _MARK, False) for name in _OPS):
+    if not all(getattr(getattr(modeling_qwen3_5, name), _MARK, False) for name in DELTA_RULE_OPS):
         return 0
     changed = 0
     for layer in model.modules():
@@ -147,5 +150,5 @@ def skip_qk_head_repeat(model: nn.Module) -> int:
 
 def conv_backend(module: ModuleType = modeling_qwen3_5) -> str:
     """What a CUDA forward of the hybrid layers uses for the causal conv (logged once at load)."""
-    conv = getattr(module, _CONV, None)
+    conv = getattr(module, CONV_OP, None)
     return "flash-linear-attention (Triton)" if getattr(conv, _MARK, False) else "transformers' torch conv"

@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model import kernel_ops
-from dflash_trainer.model.kernels import install_device_dispatch, skip_qk_head_repeat
+from dflash_trainer.model.kernels import CONV_OP, DELTA_RULE_OPS, install_device_dispatch, skip_qk_head_repeat
 
 log = logging.getLogger("dflash_trainer.target")
 
@@ -145,7 +145,7 @@ class TargetModel:
 
 COMPILE_SCOPES = ("layers", "mlp", "mlp-norm", "layers-opaque")
 # The linear-attention kernels of the hybrid targets, by their names in transformers' modelling modules.
-_KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn")
+_KERNEL_NAMES = (*DELTA_RULE_OPS, CONV_OP)
 _OPAQUE = "_dflash_opaque_to_dynamo"
 
 
