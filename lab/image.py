@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,10 @@ LOCKS = {
     "cuda": REPO / "trainer" / "requirements-cuda.lock",
 }
 PINS = REPO / "image" / "packages.txt"
+
+# `make lab` makes its containers side by side (lab/cli.py): the first that needs the image builds it and the
+# others wait for that build (image/build.sh refuses a second concurrent build of the same cache).
+_BUILDING = threading.Lock()
 
 # What image/build.sh's publish step writes and the readers (this module, the L2 role) rely on.
 RECORD_KEYS = ["path", "name", "volid", "sha256", "size_bytes", "manifest"]
@@ -87,14 +92,20 @@ def read_record(path: Path) -> BuiltImage | None:
     return image if image.path.is_file() else None
 
 
-def built_image(variant: str = "cpu", build_dir: Path = BUILD_DIR) -> BuiltImage | None:
+def built_image(variant: str = "cpu", build_dir: Path | None = None) -> BuiltImage | None:
     """The latest finished build of VARIANT, or None. A build that failed or is still running left no
     VARIANT.json (it is written last, by rename), so a half-written archive is never picked up."""
-    return read_record(build_dir / f"{variant}.json")
+    return read_record((build_dir or BUILD_DIR) / f"{variant}.json")
 
 
 def ensure_image(variant: str = "cpu") -> BuiltImage:
-    """The latest finished build of VARIANT when it is the tree's image; otherwise builds one (minutes)."""
+    """The latest finished build of VARIANT when it is the tree's image; otherwise builds one (minutes).
+    Thread-safe: callers that find none while one is being built wait for it and take it."""
+    with _BUILDING:
+        return _ensure_image(variant)
+
+
+def _ensure_image(variant: str) -> BuiltImage:
     found = built_image(variant)
     stale = found.stale_inputs() if found is not None else []
     if found is not None and not stale:
