@@ -92,10 +92,10 @@ def read_record(path: Path) -> BuiltImage | None:
     return image if image.path.is_file() else None
 
 
-def built_image(variant: str = "cpu", build_dir: Path | None = None) -> BuiltImage | None:
+def built_image(variant: str = "cpu") -> BuiltImage | None:
     """The latest finished build of VARIANT, or None. A build that failed or is still running left no
     VARIANT.json (it is written last, by rename), so a half-written archive is never picked up."""
-    return read_record((build_dir or BUILD_DIR) / f"{variant}.json")
+    return read_record(BUILD_DIR / f"{variant}.json")
 
 
 def ensure_image(variant: str = "cpu") -> BuiltImage:
