@@ -4,8 +4,9 @@
 #   device run:               bash scripts/gpu_session.sh poll [SECONDS]          # until the end or SECONDS
 # `start` runs, in the background: every GPU-marked trainer test (kernels, the checkpoint's snapshot paths, the
 # decode walk and the fast target load on CUDA; GPU_TESTS="FILE ..." runs those files' only), fast_load against
-# the peers and over a grid of its settings, the target forward's benchmark (fp32, eager, compiled layers with and
-# without a CUDA graph, their plain forwards, the trainer's compiled forward; traces kept), scripts/gpu_rehearsal.sh,
+# the peers and over a grid of its settings, the target forward's benchmark (fp32, eager, compiled layers in a CUDA
+# graph with and without fused projections, their plain forwards, the trainer's compiled forward with and without
+# them; traces kept), scripts/gpu_rehearsal.sh,
 # then the drafter benchmark (flex against dense, then a profile of its step) and our step against SpecForge's
 # (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
 # dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none).
@@ -35,10 +36,11 @@ start)
     fi
     # the target forward next, on a cool GPU: after the rehearsal the same GEMMs took 24.4 or 27.3 ms (2026-12-02)
     if bench_on target; then
-      echo "=== target forward with capture: eager, compiled layers (static, in a CUDA graph), train.target_compile ($(date -u +%T))"
-      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
-        --trace-dir "$STATE/out/target-traces" --variant fp32-reference eager eager-plain compiled-layers-opaque \
-        graph-layers-opaque graph-plain-layers-opaque trainer-compiled --out "$STATE/out/target.json" 2>&1 |
+      echo "=== target forward with capture: eager, compiled layers in a CUDA graph with and without fused projections, train.target_compile ($(date -u +%T))"
+      timeout 480 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
+        --trace-dir "$STATE/out/target-traces" --variant fp32-reference eager eager-plain graph-layers-opaque \
+        graph-plain-layers-opaque graph-layers-fused graph-plain-layers-fused trainer-compiled-unfused \
+        trainer-compiled --out "$STATE/out/target.json" 2>&1 |
         grep -v "^Loading weights" | tail -n 16
       tar czf "$STATE/out/target-traces.tgz" -C "$STATE/out" target-traces 2>/dev/null
     fi

@@ -18,8 +18,11 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   compiled-layers-opaque  each whole layer compiled, the linear-attention kernels opaque to dynamo;
   graph-layers-opaque     the same inside the CUDA graph (graph-plain-layers-opaque: its plain forward)
   graph-layers-opaque-repeat  the same with transformers' q/k head repeat kept (skip_repeat=False)
+  graph-layers-fused      graph-layers-opaque with each layer's sibling projections in one GEMM
+                          (model.fused_projections; graph-plain-layers-fused: its plain forward)
   trainer-compiled   the trainer's train.target_compile forward (CompiledCapture: layers compiled with
-                     dynamic shapes, FLA opaque, swapped in per call; no CUDA graph)
+                     dynamic shapes, FLA opaque, projections fused, swapped in per call; no CUDA graph)
+  trainer-compiled-unfused  the same without the fused projections
 Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at
 the end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time
 of one call (no sync: when it is close to the wall time, the forward is bound by launching kernels),
@@ -84,6 +87,7 @@ class Variant:
     capture: bool = True  # False: the plain forward, hooks idle (the base of the capture overhead)
     repeat: bool = False  # True: transformers' own q/k head repeat before the delta rule (before 2026-12-02)
     trainer: bool = False  # train.target_compile's forward (CompiledCapture: dynamic shapes, no graph)
+    fuse: bool = False  # sibling projections in one GEMM (model.fused_projections)
 
 
 REFERENCE = "fp32-reference"
@@ -102,21 +106,28 @@ VARIANTS: dict[str, Variant] = {
     "graph-layers-opaque": Variant("layers-opaque", graph=True),
     "graph-plain-layers-opaque": Variant("layers-opaque", graph=True, capture=False),
     "graph-layers-opaque-repeat": Variant("layers-opaque", graph=True, repeat=True),
-    "trainer-compiled": Variant(trainer=True),
+    "graph-layers-fused": Variant("layers-opaque", graph=True, fuse=True),
+    "graph-plain-layers-fused": Variant("layers-opaque", graph=True, capture=False, fuse=True),
+    "trainer-compiled": Variant(trainer=True, fuse=True),
+    "trainer-compiled-unfused": Variant(trainer=True),
 }
-# The fastest of 2026-12-02 (graph-layers-opaque) with its plain forward, beside eager and eager-plain.
+# The fastest of 2026-12-02 (graph-layers-opaque) and the fused projections, each with its plain forward,
+# beside eager; the trainer's compiled forward with and without the fusion.
 DEFAULT_VARIANTS = [
     "eager",
     "eager-plain",
     "graph-layers-opaque",
     "graph-plain-layers-opaque",
-    "graph-layers-opaque-repeat",
+    "graph-layers-fused",
+    "graph-plain-layers-fused",
+    "trainer-compiled-unfused",
     "trainer-compiled",
 ]
 OVERHEAD_PAIRS = (  # capture against the plain forward
     ("eager", "eager-plain"),
     ("graph", "graph-plain"),
     ("graph-layers-opaque", "graph-plain-layers-opaque"),
+    ("graph-layers-fused", "graph-plain-layers-fused"),
 )
 
 TARGET_KERNEL_KINDS = (  # before bench_drafter's kinds: the target's own kernels
@@ -157,7 +168,7 @@ def plain_forward(target: TargetModel, masks: Any) -> Callable[[torch.Tensor], t
 def variant_forward(target: TargetModel, variant: Variant, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One call of the variant's forward on `ids`; a graph is captured here (its warm-up included)."""
     if variant.trainer:
-        compiled = CompiledCapture(target)
+        compiled = CompiledCapture(target, fuse=variant.fuse)
         return lambda: compiled(ids).context
     if not variant.graph:
         if variant.capture:
@@ -290,7 +301,7 @@ def run_variant(
     try:
         row["flops"] = forward_flops(target, tokens.shape[1])
         if variant.scope:
-            compile_layers(target, variant.scope)
+            compile_layers(target, variant.scope, fuse=variant.fuse)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model import kernel_ops
+from dflash_trainer.model.fused_projections import INDUCTOR_OPTIONS, fuse_projections
 from dflash_trainer.model.kernels import CONV_OP, DELTA_RULE_OPS, install_device_dispatch, skip_qk_head_repeat
 
 log = logging.getLogger("dflash_trainer.target")
@@ -169,28 +170,33 @@ def _kernels_opaque_to_dynamo() -> None:
                 setattr(module, name, wrapper)
 
 
-def compile_layers(target: TargetModel, scope: str = "layers") -> None:
+def compile_layers(target: TargetModel, scope: str = "layers", fuse: bool = False) -> None:
     """torch.compile the target's decoder layers at fixed shapes (issue 17: elementwise kernels were a quarter
     of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
     module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
     "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward with the
     linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm too
-    (capture applies it to the model's last layer). Parameter names, and with them the fast load and the
-    decode walk, are unchanged."""
+    (capture applies it to the model's last layer). `fuse`: each layer's sibling projections in one GEMM
+    (model.fused_projections). Parameter names, and with them the fast load and the decode walk, are
+    unchanged."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     if scope == "layers-opaque":
         _kernels_opaque_to_dynamo()
+    options = None
+    if fuse:
+        fuse_projections(target.model)
+        options = INDUCTOR_OPTIONS
     if scope in ("layers", "layers-opaque"):
         for module in _stack(target):
-            module.forward = torch.compile(module.forward, dynamic=False)
+            module.forward = torch.compile(module.forward, dynamic=False, options=options)
         return
     for layer in target.model.model.layers:
         parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
         if scope == "mlp-norm" and hasattr(layer, "linear_attn"):
             parts.append(layer.linear_attn.norm)
         for part in parts:
-            part.forward = torch.compile(part.forward, dynamic=False)
+            part.forward = torch.compile(part.forward, dynamic=False, options=options)
 
 
 def _stack(target: TargetModel) -> list[nn.Module]:
@@ -206,13 +212,20 @@ class CompiledCapture:
     decode walk and the held-out figures run the same layers at shapes that change every call (a recompile
     each) and stay eager. dynamic=True: rows of every length share one graph per layer kind, with no padding
     to fixed shapes and no recompile per length; the capture hooks stay outside, in the module's call. The
-    final norm is compiled and swapped in alike."""
+    final norm is compiled and swapped in alike. `fuse` (inductor only): each layer's sibling projections in
+    one GEMM (model.fused_projections; eager calls keep their own weights)."""
 
-    def __init__(self, target: TargetModel, backend: str = "inductor") -> None:
+    def __init__(self, target: TargetModel, backend: str | Callable = "inductor", fuse: bool = True) -> None:
         _kernels_opaque_to_dynamo()
         self.target = target
         self.modules = _stack(target)
-        self.compiled = [torch.compile(m.forward, dynamic=True, backend=backend) for m in self.modules]
+        options = None
+        if fuse and backend == "inductor":
+            fuse_projections(target.model)
+            options = INDUCTOR_OPTIONS
+        self.compiled = [
+            torch.compile(m.forward, dynamic=True, backend=backend, options=options) for m in self.modules
+        ]
 
     @contextlib.contextmanager
     def swapped_in(self):

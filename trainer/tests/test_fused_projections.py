@@ -1,0 +1,161 @@
+"""Sibling projections in one GEMM in the target's compiled forward (model.fused_projections, issue 17): the
+weights keep their values and names, no second copy is kept, eager calls are unchanged, and the compiled
+forward runs one matmul per group with the same features."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+from dflash_trainer.model import target as target_module
+from dflash_trainer.model.fused_projections import (
+    DEDUPLICATE_MATMULS,
+    FusedGroup,
+    fuse_group,
+    fuse_projections,
+)
+from dflash_trainer.model.target import CompiledCapture, load_target
+from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+
+LAYER_IDS = [
+    1,
+    3,
+    5,
+]  # qwen3_5's tiny target: layers 0-5 are loaded, 3 attends, the others are Gated DeltaNets
+_MATMUL = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+
+
+def _ids(seed: int, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
+    return torch.randint(0, TINY_MASK_TOKEN_ID, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _fast_loaded(path) -> nn.Module:
+    """The model as fast_load builds it on a GPU (each weight a view of its shard's allocation), on CPU."""
+    cfg = target_module.read_text_config(path)
+    short = target_module._truncated(cfg, max(LAYER_IDS) + 1)
+    cls = target_module.CAUSAL_LM_CLASSES[cfg.model_type]
+    model = target_module._fast_load(cls, path, short, torch.device("cpu"), torch.float32)
+    return model.requires_grad_(False)
+
+
+def test_fast_load_layout_fuses_by_view_and_leaves_scattered_groups_apart(tiny_target) -> None:
+    """safetensors files sort tensors by name: in_proj_a|b|qkv|z and gate|up lie back to back, q|k|v do not
+    (k_norm, o_proj and q_norm between): those would need a second copy of the weights, so they stay apart."""
+    model = _fast_loaded(tiny_target("qwen3_5"))
+    before = _state(model)
+    shard = model.model.layers[0].mlp.gate_proj.weight.untyped_storage().data_ptr()
+    outcome = fuse_projections(model)
+    assert outcome == {
+        "view": 6 + 5,  # the MLPs of layers 0-5 and the Gated DeltaNets of 0, 1, 2, 4, 5
+        "apart: the weights share memory with others (fusing would keep a second copy)": 1,
+    }
+    linear_attn = model.model.layers[0].linear_attn
+    group: FusedGroup = linear_attn.in_proj_z._dflash_fused
+    assert group.weight.untyped_storage().data_ptr() == shard  # a view: no new memory
+    rows = {
+        n: getattr(linear_attn, n)._dflash_rows
+        for n in ("in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z")
+    }
+    assert [rows[n] for n in sorted(rows)] == sorted(rows.values())  # memory order is name order
+    for name in rows:
+        lo, hi = rows[name]
+        assert torch.equal(group.weight[lo:hi], getattr(linear_attn, name).weight)
+    assert not hasattr(model.model.layers[3].self_attn.q_proj, "_dflash_fused")
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    again = fuse_projections(model)  # idempotent
+    assert again == {"already fused": 11, next(k for k in outcome if k.startswith("apart")): 1}
+
+
+def test_separately_allocated_weights_are_copied_once_and_keep_their_values(tiny_target) -> None:
+    target = load_target(tiny_target("qwen3"), layer_ids=LAYER_IDS)  # from_pretrained: one allocation each
+    ids = _ids(0)
+    expected = target.capture(ids).context
+    before = _state(target.model)
+    assert fuse_projections(target.model) == {"copy": 2 * (max(LAYER_IDS) + 1)}  # q|k|v and gate|up per layer
+    mlp = target.model.model.layers[2].mlp
+    group = mlp.gate_proj._dflash_fused
+    assert (mlp.gate_proj._dflash_rows, mlp.up_proj._dflash_rows) == (
+        (0, 128),
+        (128, 256),
+    )  # the group's order
+    for lin in (mlp.gate_proj, mlp.up_proj):  # the projections' weights are now rows of the fused matrix
+        assert lin.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    after = target.model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # outside a compiled region every projection runs its own weight: the same features, bit for bit
+    torch.testing.assert_close(target.capture(ids).context, expected, rtol=0, atol=0)
+
+
+def _linear(out: int, bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    return nn.Linear(8, out, bias=bias, dtype=dtype).requires_grad_(False)
+
+
+def test_groups_that_cannot_share_a_gemm_stay_apart() -> None:
+    assert fuse_group([_linear(4), _linear(4, dtype=torch.bfloat16)]).startswith("apart: dtypes")
+    assert fuse_group([_linear(4, bias=True), _linear(4)]) == "apart: some have a bias, some not"
+    assert fuse_group([_linear(4).requires_grad_(True), _linear(4)]) == "apart: trainable"
+    pair = [_linear(4, bias=True), _linear(6, bias=True)]
+    assert fuse_group(pair) == "copy"
+    assert pair[0]._dflash_fused.bias.shape == (10,)  # the biases follow the rows
+
+
+def test_deduplicate_matmuls_merges_only_identical_calls() -> None:
+    graph = torch.fx.Graph()
+    x, w, v = (graph.placeholder(n) for n in "xwv")
+    aten = torch.ops.aten
+    first = graph.call_function(aten.mm.default, (x, graph.call_function(aten.permute.default, (w, [1, 0]))))
+    again = graph.call_function(aten.mm.default, (x, graph.call_function(aten.permute.default, (w, [1, 0]))))
+    other = graph.call_function(aten.mm.default, (x, graph.call_function(aten.permute.default, (v, [1, 0]))))
+    graph.output((first, again, other))
+    DEDUPLICATE_MATMULS(graph)
+    mms = [n for n in graph.nodes if n.target == aten.mm.default]
+    assert len(mms) == 2
+    assert list(graph.output_node().args[0]) == [first, first, other]
+    assert DEDUPLICATE_MATMULS.uuid() == DEDUPLICATE_MATMULS.uuid()  # a stable key for the FX graph cache
+
+
+def _compiled_run(target, fuse: bool, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = CompiledCapture(target, fuse=fuse)
+    try:
+        features, code = run_and_get_code(lambda: compiled(ids).context)
+        made = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    finally:
+        torch._dynamo.reset()
+    return features, len(_MATMUL.findall("\n".join(code))), made
+
+
+def test_the_trainers_compiled_forward_runs_one_matmul_per_group(tiny_target) -> None:
+    """inductor on CPU, the trainer's CompiledCapture: a Gated DeltaNet layer runs 4 matmuls (5 projections in
+    one, out, gate|up, down) instead of 8, an attention layer 4 instead of 7; the layers of a kind still share
+    one graph (the fused rows are the same in every layer); the features are eager's."""
+    ids = _ids(0)
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    expected = target.capture(ids).context
+    plain, plain_matmuls, plain_graphs = _compiled_run(target, False, ids)
+    fused, fused_matmuls, fused_graphs = _compiled_run(target, True, ids)
+    assert (plain_matmuls, fused_matmuls) == (5 + 3 + 4 + 3, 1 + 1 + 2 + 1 + 1 + 2)
+    assert fused_graphs == plain_graphs == 2  # one per layer kind (no recompile per layer)
+    torch.testing.assert_close(plain, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_compiled_capture_on_cuda_equals_capture(tiny_target) -> None:
+    """The GPU path: fast_load's views fused in place, FLA's kernels, inductor's CUDA matmuls."""
+    pytest.importorskip("fla")
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
+    ids = _ids(0).cuda()
+    expected = target.capture(ids).context
+    fused, matmuls, graphs = _compiled_run(target, True, ids)
+    assert graphs == 2 and matmuls == 4 + 6  # the attention layer's q, k, v apart (fast_load's layout)
+    torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
