@@ -5,7 +5,8 @@
 # 2. python -m dflash_trainer.service.rehearse: a random Qwen3.6-27B-shaped target in /dev/shm, then preflight,
 #    launch -- serve (READY, steps 1-50, SIGTERM -> checkpoint, exit 0), launch -- serve (resume, steps 51-100),
 #    export, export --check, the smoke summary and PASS or FAIL. One rank per GPU (one GPU: one process).
-# TARGET_COMPILE=1: the reference configuration with train.target_compile = true.
+# TARGET_COMPILE=0 or 1: the reference configuration with train.target_compile false or true (the reference's own
+# value otherwise: true since 2026-12-03).
 # State (the target, checkpoints of ~27 GB each) stays under STATE; logs and figures are copied to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-rehearsal}
@@ -20,10 +21,13 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
 fi
 echo "=== rehearsal"
 config=()
-if [ "${TARGET_COMPILE:-0}" = 1 ]; then  # the reference configuration with train.target_compile on (issue 17)
-  sed 's/^target_compile = false$/target_compile = true/' trainer/configs/reference.toml >"$STATE/reference-compiled.toml"
-  grep -q '^target_compile = true$' "$STATE/reference-compiled.toml" || { echo "no target_compile key to turn on"; exit 2; }
-  config=(--config "$STATE/reference-compiled.toml")
+if [ -n "${TARGET_COMPILE:-}" ]; then  # the reference configuration with train.target_compile set (issue 17)
+  want=false
+  [ "$TARGET_COMPILE" = 1 ] && want=true
+  sed -E "s/^target_compile = (true|false)$/target_compile = $want/" trainer/configs/reference.toml \
+    >"$STATE/reference-target-compile.toml"
+  grep -q "^target_compile = $want$" "$STATE/reference-target-compile.toml" || { echo "no target_compile key"; exit 2; }
+  config=(--config "$STATE/reference-target-compile.toml")
 fi
 python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@"
 rc=$?

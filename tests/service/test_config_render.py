@@ -36,7 +36,7 @@ def test_topology_is_the_rank_count_and_mismatches_name_the_three_values() -> No
     ref = render.merge(REFERENCE)
     assert render.ranks(ref) == 8 and render.rank_problems(ref, list(range(8))) == []
     [problem] = render.rank_problems(ref, [0, 1, 2, 3])
-    assert "[topology] 5 targets + 3 drafters = 8 ranks" in problem and "ct_gpus 4 GPU(s)" in problem
+    assert "[topology] 4 targets + 4 drafters = 8 ranks" in problem and "ct_gpus 4 GPU(s)" in problem
     assert "trainer_service_nproc 8 (derived)" in problem
     stale = render.rank_problems(ref, list(range(8)), 4)
     assert (
