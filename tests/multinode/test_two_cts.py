@@ -22,7 +22,7 @@ def active(ct: str) -> bool:
 
 def leader_ct(cts) -> str | None:
     """The CT whose unit's STATUS carries the loss: the drafter leader's."""
-    return next((ct for ct in cts if re.match(r"step \d+ loss ", lab.show("StatusText", ct=ct))), None)
+    return next((ct for ct in cts if lab.is_leader_status(lab.show("StatusText", ct=ct))), None)
 
 
 def stop_from_leader(cts) -> None:
@@ -66,7 +66,7 @@ def test_two_cts_ready_stop_resume_and_a_node_killed(job) -> None:
             lambda c=ct: lab.show("StatusText", ct=c).startswith("step"), 120, f"a step in {ct}'s STATUS"
         )
     statuses = {ct: lab.show("StatusText", ct=ct) for ct in cts}
-    leader = next(ct for ct in cts if re.match(r"step \d+ loss ", statuses[ct]))
+    leader = next(ct for ct in cts if lab.is_leader_status(statuses[ct]))
     other = next(ct for ct in cts if ct != leader)
     assert "the job's leader reports loss" in statuses[other], statuses
     started = {ct: lab.journal(cursors[ct], ct=ct) for ct in cts}

@@ -11,6 +11,7 @@ Then ansible/l5_service.yml converges roles/trainer_service with tests/service/l
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -178,6 +179,11 @@ def status_step() -> int | None:
     if text.startswith("step "):
         return int(text.split()[1])
     return None
+
+
+def is_leader_status(text: str) -> bool:
+    """The drafter leader's STATUS carries the loss ("step N loss ..."); the other ranks' name the leader."""
+    return re.match(r"step \d+ loss ", text) is not None
 
 
 def journal(since_cursor: str | None = None, unit: str = "dflash-train", ct: str = CT) -> str:

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.service.lab import is_leader_status
+
 pytestmark = pytest.mark.slow
 
 START_S = 300  # two units' preflight-less start, imports and load on a contended 2-core machine
@@ -90,7 +92,7 @@ def test_two_nodes_ready_stop_resume_and_a_node_killed(job):
             lambda u=unit: ct.show("StatusText", u).startswith("step"), 60, f"a step in {unit}'s STATUS"
         )
     statuses = {u: ct.show("StatusText", u) for u in UNITS}
-    leader = next(u for u in UNITS if re.match(r"step \d+ loss ", statuses[u]))
+    leader = next(u for u in UNITS if is_leader_status(statuses[u]))
     other = next(u for u in UNITS if u != leader)
     assert "the job's leader reports loss" in statuses[other], statuses
 
