@@ -172,6 +172,10 @@ class DeduplicateMatmuls(CustomGraphPass):
 DEDUPLICATE_MATMULS = DeduplicateMatmuls()
 
 
-# torch.compile's `options` for a fused model's compiled layers: inductor only (the fused projections rely on
-# the pass; under another backend each would run the whole group's GEMM).
-INDUCTOR_OPTIONS: dict[str, object] = {"post_grad_custom_pre_pass": DEDUPLICATE_MATMULS}
+def fused_compile_options(model: nn.Module, backend: object = "inductor") -> dict[str, object] | None:
+    """Fuse `model`'s projections and return torch.compile's `options` that merge their matmuls; under another
+    backend than inductor, nothing is fused (without the pass each projection would run its group's GEMM)."""
+    if backend != "inductor":
+        return None
+    fuse_projections(model)
+    return {"post_grad_custom_pre_pass": DEDUPLICATE_MATMULS}

@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model import kernel_ops
-from dflash_trainer.model.fused_projections import INDUCTOR_OPTIONS, fuse_projections
+from dflash_trainer.model.fused_projections import fused_compile_options
 from dflash_trainer.model.kernels import CONV_OP, DELTA_RULE_OPS, install_device_dispatch, skip_qk_head_repeat
 
 log = logging.getLogger("dflash_trainer.target")
@@ -183,10 +183,7 @@ def compile_layers(target: TargetModel, scope: str = "layers", fuse: bool = Fals
         raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
     if scope == "layers-opaque":
         _kernels_opaque_to_dynamo()
-    options = None
-    if fuse:
-        fuse_projections(target.model)
-        options = INDUCTOR_OPTIONS
+    options = fused_compile_options(target.model) if fuse else None
     if scope in ("layers", "layers-opaque"):
         for module in _stack(target):
             module.forward = torch.compile(module.forward, dynamic=False, options=options)
@@ -219,10 +216,7 @@ class CompiledCapture:
         _kernels_opaque_to_dynamo()
         self.target = target
         self.modules = _stack(target)
-        options = None
-        if fuse and backend == "inductor":
-            fuse_projections(target.model)
-            options = INDUCTOR_OPTIONS
+        options = fused_compile_options(target.model, backend) if fuse else None
         self.compiled = [
             torch.compile(m.forward, dynamic=True, backend=backend, options=options) for m in self.modules
         ]
