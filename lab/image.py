@@ -174,13 +174,17 @@ def ct_record_path(settings: LabSettings, name: str) -> Path:
 
 
 def keep_for_lab(image: BuiltImage, record_path: Path) -> BuiltImage:
-    """A link (a copy across file systems) to the archive beside RECORD_PATH and a record pointing at it:
-    what the container was made from stays there when build/image moves on, and goes with lab-down."""
-    folder = record_path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    kept = folder / image.name
-    if not kept.exists():
-        partial = folder / f".{image.name}.partial"
+    """A link (a copy across file systems) to the archive and a record beside RECORD_PATH pointing at it: what
+    the container was made from stays there when build/image moves on, and goes with lab-down.
+
+    Kept by content (a folder per sha256) under the archive's own name, which the L2 role uploads as the
+    volid: two builds of one commit share a name but not their bytes (docs/image.md), and a CT made from the
+    second must not be recorded against the first's file (its size check refused every CT of the two-CT lab
+    made after a rebuild)."""
+    kept = record_path.parent / image.sha256[:16] / image.name
+    if not (kept.is_file() and kept.stat().st_size == image.record["size_bytes"]):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f".{image.name}.partial")
         partial.unlink(missing_ok=True)
         try:
             os.link(image.path, partial)
