@@ -9,7 +9,8 @@
 # them; traces kept), scripts/gpu_rehearsal.sh,
 # then the drafter benchmark (flex against dense, then a profile of its step) and our step against SpecForge's
 # (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
-# dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none).
+# dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none);
+# TARGET_VARIANTS the target forward's variants (default: all those named above).
 # `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the benchmarks' JSON
 # and traces into $OUT (what the device tool brings back).
 set -u
@@ -38,9 +39,9 @@ start)
     if bench_on target; then
       echo "=== target forward with capture: eager, compiled layers in a CUDA graph with and without fused projections, train.target_compile ($(date -u +%T))"
       timeout 480 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \
-        --trace-dir "$STATE/out/target-traces" --variant fp32-reference eager eager-plain graph-layers-opaque \
-        graph-plain-layers-opaque graph-layers-fused graph-plain-layers-fused trainer-compiled-unfused \
-        trainer-compiled --out "$STATE/out/target.json" 2>&1 |
+        --trace-dir "$STATE/out/target-traces" --variant ${TARGET_VARIANTS:-fp32-reference eager eager-plain \
+        graph-layers-opaque graph-plain-layers-opaque graph-layers-fused graph-plain-layers-fused \
+        trainer-compiled-unfused trainer-compiled} --out "$STATE/out/target.json" 2>&1 |
         grep -v "^Loading weights" | tail -n 16
       tar czf "$STATE/out/target-traces.tgz" -C "$STATE/out" target-traces 2>/dev/null
     fi

@@ -271,3 +271,29 @@ def test_grouped_heads_through_fla_equal_the_repeated_ones_on_gpu(tiny_target):
     grouped = load_target(path, device="cuda", dtype=torch.bfloat16, layer_ids=[1, 5]).capture(ids).context
     repeated = load_target(path, device="cuda", dtype=torch.bfloat16, layer_ids=[1, 5], skip_repeat=False)
     torch.testing.assert_close(grouped.float(), repeated.capture(ids).context.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_graphs_l2norm_is_transformers_in_fp32():
+    """The compiled layers L2-normalise query and key themselves (model.kernel_ops) and hand FLA normalised
+    ones: the same formula as transformers' l2norm (and FLA's, in fp32), in the input's dtype."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
+
+    from dflash_trainer.model import kernel_ops
+
+    x = torch.randn(2, 7, 3, 16, generator=torch.Generator().manual_seed(0)) * 4
+    torch.testing.assert_close(kernel_ops.l2norm(x), l2norm(x, dim=-1, eps=1e-6), rtol=0, atol=0)
+    half = x.bfloat16()
+    assert kernel_ops.l2norm(half).dtype == torch.bfloat16
+    torch.testing.assert_close(kernel_ops.l2norm(half), l2norm(half.float(), dim=-1, eps=1e-6).bfloat16())
+
+
+@pytest.mark.gpu
+def test_the_graphs_l2norm_equals_flas_on_gpu():
+    pytest.importorskip("fla")
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from dflash_trainer.model import kernel_ops
+
+    x = torch.randn(1, 3072, 16, 128, device="cuda", dtype=torch.bfloat16)
+    theirs, _rstd = l2norm_fwd(x)
+    torch.testing.assert_close(kernel_ops.l2norm(x), theirs, rtol=0, atol=2**-8)
