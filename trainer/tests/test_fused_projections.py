@@ -16,7 +16,7 @@ from dflash_trainer.model.fused_projections import (
     fuse_group,
     fuse_projections,
 )
-from dflash_trainer.model.target import CompiledCapture, load_target
+from dflash_trainer.model.target import CompiledCapture, compile_layers, load_target
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
 LAYER_IDS = [
@@ -160,3 +160,56 @@ def test_fused_compiled_capture_on_cuda_equals_capture(tiny_target) -> None:
     fused, matmuls, graphs = _compiled_run(target, True, ids)
     assert graphs == 2 and matmuls == 4 + 6  # the attention layer's q, k, v apart (fast_load's layout)
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
+
+
+_CONV_CALL = re.compile(r"torch\.ops\.dflash\.causal_conv1d\.default\('[\w.]+', (\w+)")
+
+
+def _conv_inputs_of_compiled_layers(target, ids: torch.Tensor) -> tuple[torch.Tensor, list[str], str]:
+    """The features of the layers compiled at fixed shapes with fused projections (the CUDA-graph path), and
+    the first argument of each conv call in their code. Caches off: the FX graph cache's key leaves out a
+    custom op's tags, so a graph compiled before a tag changed would come back unchanged."""
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            compile_layers(target, "layers-opaque", fuse=True)
+            features, code = run_and_get_code(lambda: target.capture(ids).context)
+    finally:
+        torch._dynamo.reset()
+    text = "\n".join(code)
+    return features, _CONV_CALL.findall(text), text
+
+
+def test_the_conv_reads_its_columns_of_a_padded_gemm_output_in_place(tiny_target) -> None:
+    """inductor pads a matmul's output rows to 128 bytes on CUDA (comprehensive padding: the 27B shape's
+    in_proj_qkv|z|b|a output, 16480 columns of bf16, is stored 16512 wide; torch 2.11 pads it, 2.13 does not).
+    Under the default layout constraint for custom ops (needs_exact_strides) the conv's q|k|v columns were
+    then copied out of the padded buffer, 182 us a forward (GPU session 11). The op asks for its stride order
+    only, and FLA's conv reads any strides: the columns go in as a view of the GEMM's output. Here padding is
+    forced on CPU and the default set explicitly; on torch 2.11 the test fails without the op's tag (on 2.13
+    the output is not padded); the features stay eager's."""
+    ids = _ids(0, (1, 64))
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    expected = target.capture(ids).context
+    with (
+        torch._inductor.config.patch(disable_padding_cpu=False, padding_stride_threshold=0),
+        torch._functorch.config.patch(custom_op_default_layout_constraint="needs_exact_strides"),
+    ):
+        features, conv_inputs, code = _conv_inputs_of_compiled_layers(target, ids)
+    assert len(conv_inputs) == 1  # the Gated DeltaNet layers share one graph
+    assert conv_inputs[0] == "reinterpret_tensor", code  # a view, not a buffer a copy kernel filled
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_conv_reads_a_padded_gemm_output_in_place_on_cuda(tiny_target) -> None:
+    """The same on CUDA, where inductor pads by itself (the torch and FLA of the GPU machine)."""
+    pytest.importorskip("fla")
+    ids = _ids(0, (1, 64)).cuda()
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
+    expected = target.capture(ids).context
+    with torch._inductor.config.patch(padding_stride_threshold=0):  # the tiny rows are short
+        features, conv_inputs, code = _conv_inputs_of_compiled_layers(target, ids)
+    assert conv_inputs == ["reinterpret_tensor"], code
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)

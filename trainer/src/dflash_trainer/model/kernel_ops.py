@@ -37,7 +37,11 @@ _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {}
 L2NORM_EPS = 1e-6
 
 
-@torch.library.custom_op("dflash::causal_conv1d", mutates_args=())
+# The stride order only: FLA's conv reads any strides. On CUDA inductor pads the fused in_proj GEMM's output
+# rows (comprehensive padding: torch 2.11 does, 2.13 leaves it unpadded), and under the default for custom
+# ops (needs_exact_strides) the q|k|v columns were copied out of it before every conv (182 us a 27B-shaped
+# forward, GPU session 11). Note: inductor's FX graph cache keys leave a custom op's tags out.
+@torch.library.custom_op("dflash::causal_conv1d", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
 def causal_conv1d(
     module: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
