@@ -37,6 +37,7 @@ PINS = REPO / "image" / "packages.txt"
 # `make lab` makes its containers side by side (lab/cli.py): the first that needs the image builds it and the
 # others wait for that build (image/build.sh refuses a second concurrent build of the same cache).
 _BUILDING = threading.Lock()
+_KEEPING = threading.Lock()
 
 # What image/build.sh's publish step writes and the readers (this module, the L2 role) rely on.
 RECORD_KEYS = ["path", "name", "volid", "sha256", "size_bytes", "manifest"]
@@ -182,19 +183,21 @@ def keep_for_lab(image: BuiltImage, record_path: Path) -> BuiltImage:
     second must not be recorded against the first's file (its size check refused every CT of the two-CT lab
     made after a rebuild)."""
     kept = record_path.parent / image.sha256[:16] / image.name
-    if not (kept.is_file() and kept.stat().st_size == image.record["size_bytes"]):
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_name(f".{image.name}.partial")
-        partial.unlink(missing_ok=True)
-        try:
-            os.link(image.path, partial)
-        except OSError:
-            shutil.copyfile(image.path, partial)
-        partial.rename(kept)
+    with _KEEPING:  # the CTs of a multi-node lab are made in threads and keep the same archive
+        if not (kept.is_file() and kept.stat().st_size == image.record["size_bytes"]):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            # A name of this process's own: another `make lab` (or a killed one's leftover) never shares it.
+            partial = kept.with_name(f".{image.name}.{os.getpid()}.partial")
+            partial.unlink(missing_ok=True)
+            try:
+                os.link(image.path, partial)
+            except OSError:
+                shutil.copyfile(image.path, partial)
+            os.replace(partial, kept)
     record = {**image.record, "path": str(kept)}
-    tmp = record_path.with_suffix(".tmp")
+    tmp = record_path.with_name(f".{record_path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.rename(record_path)
+    os.replace(tmp, record_path)
     return BuiltImage(record)
 
 

@@ -5,7 +5,10 @@ and the role refused it (`make test-multinode` after a second `make image`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import shutil
+import threading
 from pathlib import Path
 
 from lab import image
@@ -53,3 +56,26 @@ def test_one_build_is_kept_once(tmp_path: Path) -> None:
     other = image.keep_for_lab(built, lab_images / "lab-ct202.json")
     assert one.path == other.path
     assert one.path.samefile(built.path), "the archive is linked, not copied, on one file system"
+
+
+def test_the_containers_of_a_multinode_lab_keep_one_build_side_by_side(tmp_path: Path) -> None:
+    """`make lab` makes its CTs in threads (lab/cli.py), each keeping the same archive: two threads once
+    shared the partial file's name, one renamed it away under the other, and CI's `make test-multinode` died
+    on FileNotFoundError."""
+    lab_images = tmp_path / "lab" / "images"
+    built = build(tmp_path / "a", b"one build" * 4096)
+    start = threading.Barrier(8)
+
+    def keep(n: int) -> image.BuiltImage:
+        start.wait()
+        return image.keep_for_lab(built, lab_images / f"lab-ct{200 + n}.json")
+
+    for _ in range(20):  # the race needs a few rounds to show without the fix
+        shutil.rmtree(lab_images, ignore_errors=True)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            kept = list(pool.map(keep, range(8)))
+        assert {k.path for k in kept} == {kept[0].path}
+        for n in range(8):
+            assert_record_matches_its_file(lab_images / f"lab-ct{200 + n}.json", b"one build" * 4096)
+        leftovers = [p.name for p in lab_images.rglob(".*")]
+        assert not leftovers, f"partial files left behind: {leftovers}"
