@@ -17,7 +17,7 @@ from dflash_trainer.model.fused_projections import (
     fuse_projections,
 )
 from dflash_trainer.model.target import CompiledCapture, compile_layers, load_target
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.model.tiny import tiny_token_ids
 
 LAYER_IDS = [
     1,
@@ -26,10 +26,6 @@ LAYER_IDS = [
 ]  # qwen3_5's tiny target: layers 0-5 are loaded, 3 attends, the others are Gated DeltaNets
 # the projections' matmuls (not bmm: inductor lowers fp32 attention on CUDA to two of those)
 _MATMUL = re.compile(r"extern_kernels\.(mm|addmm)\(")
-
-
-def _ids(seed: int, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
-    return torch.randint(0, TINY_MASK_TOKEN_ID, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -76,7 +72,7 @@ def test_fast_load_layout_fuses_by_view_and_leaves_scattered_groups_apart(tiny_t
 
 def test_separately_allocated_weights_are_copied_once_and_keep_their_values(tiny_target) -> None:
     target = load_target(tiny_target("qwen3"), layer_ids=LAYER_IDS)  # from_pretrained: one allocation each
-    ids = _ids(0)
+    ids = tiny_token_ids(0)
     expected = target.capture(ids).context
     before = _state(target.model)
     assert fuse_projections(target.model) == {"copy": 2 * (max(LAYER_IDS) + 1)}  # q|k|v and gate|up per layer
@@ -138,7 +134,7 @@ def test_the_trainers_compiled_forward_runs_one_matmul_per_group(tiny_target) ->
     """inductor on CPU, the trainer's CompiledCapture: a Gated DeltaNet layer runs 4 matmuls (5 projections in
     one, out, gate|up, down) instead of 8, an attention layer 4 instead of 7; the layers of a kind still share
     one graph (the fused rows are the same in every layer); the features are eager's."""
-    ids = _ids(0)
+    ids = tiny_token_ids(0)
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
     expected = target.capture(ids).context
     plain, plain_matmuls, plain_graphs = _compiled_run(target, False, ids)
@@ -155,7 +151,7 @@ def test_fused_compiled_capture_on_cuda_equals_capture(tiny_target) -> None:
     """The GPU path: fast_load's views fused in place, FLA's kernels, inductor's CUDA matmuls."""
     pytest.importorskip("fla")
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
-    ids = _ids(0).cuda()
+    ids = tiny_token_ids(0).cuda()
     expected = target.capture(ids).context
     fused, matmuls, graphs = _compiled_run(target, True, ids)
     assert graphs == 2 and matmuls == 4 + 6  # the attention layer's q, k, v apart (fast_load's layout)
@@ -188,7 +184,7 @@ def test_the_conv_reads_its_columns_of_a_padded_gemm_output_in_place(tiny_target
     only, and FLA's conv reads any strides: the columns go in as a view of the GEMM's output. Here padding is
     forced on CPU and the default set explicitly; on torch 2.11 the test fails without the op's tag (on 2.13
     the output is not padded); the features stay eager's."""
-    ids = _ids(0, (1, 64))
+    ids = tiny_token_ids(0, (1, 64))
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
     expected = target.capture(ids).context
     with (
@@ -209,7 +205,7 @@ def test_the_conv_reads_a_padded_gemm_output_in_place_on_cuda(tiny_target) -> No
     layers ~0.03 from eager on CUDA whether the conv input is padded or not, fused or not, while FLA's
     conv on a strided view equals it on a contiguous copy exactly (bench/diag_padded_conv.py, session 12)."""
     pytest.importorskip("fla")
-    ids = _ids(0, (1, 64)).cuda()
+    ids = tiny_token_ids(0, (1, 64)).cuda()
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
     expected = target.capture(ids).context
     with torch._inductor.config.patch(padding_stride_threshold=0):  # the tiny rows are short

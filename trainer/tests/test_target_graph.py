@@ -14,19 +14,15 @@ from dflash_trainer.model.target import (
     load_target,
     unpadded_masks,
 )
-from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
+from dflash_trainer.model.tiny import TINY_KINDS, tiny_token_ids
 
 LAYER_IDS = [1, 3, 5]
-
-
-def _ids(seed: int, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
-    return torch.randint(0, TINY_MASK_TOKEN_ID, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_unpadded_features_equal_capture(tiny_target, kind: str) -> None:
     target = load_target(tiny_target(kind), layer_ids=LAYER_IDS)
-    ids = _ids(0)
+    ids = tiny_token_ids(0)
     expected = target.capture(ids).context
     torch.testing.assert_close(target.unpadded_features(ids), expected, rtol=0, atol=0)
     # a padded batch is what the mapping must not be used for: capture masks it, so the features differ
@@ -53,7 +49,7 @@ def test_compile_scopes_checked(tiny_target) -> None:
 
 def test_compiled_layers_with_opaque_kernels_equal_eager(tiny_target) -> None:
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
-    ids = _ids(0)
+    ids = tiny_token_ids(0)
     expected = target.capture(ids).context
     compile_layers(target, "layers-opaque")
     torch.testing.assert_close(target.capture(ids).context, expected, rtol=1e-5, atol=1e-5)
@@ -76,8 +72,8 @@ def test_a_gated_deltanet_layer_compiles_to_one_graph_around_its_kernels(tiny_ta
     try:
         torch._dynamo.reset()
         compiled = CompiledCapture(target, backend=backend)
-        expected = target.capture(_ids(0)).context
-        torch.testing.assert_close(compiled(_ids(0)).context, expected, rtol=1e-5, atol=1e-5)
+        expected = target.capture(tiny_token_ids(0)).context
+        torch.testing.assert_close(compiled(tiny_token_ids(0)).context, expected, rtol=1e-5, atol=1e-5)
         assert len(graphs) == len(kinds)  # one per layer kind: the layers of a kind share theirs
         (linear,) = (g for g in graphs if any("dflash" in str(n.target) for n in g.graph.nodes))
         nodes = {str(n.target): n for n in linear.graph.nodes if n.op == "call_function"}
@@ -99,9 +95,9 @@ def test_graphed_forward_needs_cuda() -> None:
 def test_graph_replay_equals_eager_on_cuda(tiny_target, kind: str) -> None:
     pytest.importorskip("fla")
     target = load_target(tiny_target(kind), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
-    graphed = graph_features(target, _ids(0).cuda())
+    graphed = graph_features(target, tiny_token_ids(0).cuda())
     for seed in (1, 2):  # new inputs through the static buffer: the replay recomputes
-        ids = _ids(seed).cuda()
+        ids = tiny_token_ids(seed).cuda()
         torch.testing.assert_close(graphed(ids).clone(), target.capture(ids).context, rtol=1e-5, atol=1e-5)
 
 
@@ -123,13 +119,13 @@ def _compiled_capture_matches(target, backend: str, tol: float) -> None:
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # a count over the whole process
     try:
-        same(_ids(0))
+        same(tiny_token_ids(0))
         # compiled, not eager in disguise
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
         torch._dynamo.config.error_on_recompile = True  # another row length must not compile again
-        same(_ids(1, (2, 17)))
+        same(tiny_token_ids(1, (2, 17)))
         torch._dynamo.config.error_on_recompile = False  # a padded batch's mask is a graph of its own
-        same(_ids(2), mask)
+        same(tiny_token_ids(2), mask)
     finally:
         torch._dynamo.config.error_on_recompile = False
         torch._dynamo.reset()

@@ -26,6 +26,12 @@ TINY_VOCAB_SIZE = 512
 TINY_MASK_TOKEN_ID = TINY_VOCAB_SIZE - 1
 TINY_KINDS = ("qwen3", "qwen3_5", "qwen3_5_vl_wrapper", "qwen3_next")
 
+
+def tiny_token_ids(seed: int, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
+    """Reproducible token ids for a tiny target, never the reserved mask token."""
+    return torch.randint(0, TINY_MASK_TOKEN_ID, shape, generator=torch.Generator().manual_seed(seed))
+
+
 _BASE: dict[str, Any] = {
     "vocab_size": TINY_VOCAB_SIZE,
     "hidden_size": 64,
