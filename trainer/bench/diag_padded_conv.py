@@ -9,7 +9,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from dflash_trainer.model.target import compile_layers, load_target
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
+from dflash_trainer.model.tiny import tiny_token_ids, write_tiny_target
 
 
 def conv_strided_vs_contiguous() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
     conv_strided_vs_contiguous()
     path = write_tiny_target(Path(tempfile.mkdtemp()), kind="qwen3_5", seed=0)
     for shape in ((1, 64), (2, 24)):
-        ids = torch.randint(0, TINY_MASK_TOKEN_ID, shape, generator=torch.Generator().manual_seed(0)).cuda()
+        ids = tiny_token_ids(0, shape).cuda()
         outs = {(t, f): compiled_drift(path, ids, t, f) for t in (None, 0) for f in (False, True)}
         base = outs[(None, False)]
         for key, out in outs.items():

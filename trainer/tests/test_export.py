@@ -6,7 +6,7 @@ from safetensors import safe_open
 
 from dflash_trainer.export import check_export, export_draft, load_draft
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, tiny_token_ids
 
 
 def test_config_and_weights(small_spec, tmp_path) -> None:
@@ -54,7 +54,7 @@ def test_dflash_generate_equals_target_greedy(tiny_target, tmp_path) -> None:
     torch.manual_seed(0)
     export_draft(DFlashDrafter(spec).state_dict(), spec, tmp_path, dtype=torch.float32)
     draft = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
-    prompt = torch.randint(0, TINY_MASK_TOKEN_ID, (1, 8), generator=torch.Generator().manual_seed(0))
+    prompt = tiny_token_ids(0, (1, 8))
 
     out = dflash_model.dflash_generate(draft, target, prompt, max_new_tokens=12, stop_token_ids=None)
     ids = prompt

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
 from dflash_trainer.model.target import CAUSAL_LM_CLASSES, load_target, read_text_config
-from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID, write_tiny_target
+from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID, tiny_token_ids, write_tiny_target
 
 LAYER_IDS = [1, 3, 5]
 
@@ -26,7 +26,7 @@ def _reference_hidden_states(path, kind: str, ids: torch.Tensor) -> tuple[torch.
 def test_capture_equals_layer_outputs(tiny_target, kind: str) -> None:
     path = tiny_target(kind)
     target = load_target(path, layer_ids=LAYER_IDS)
-    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (2, 20), generator=torch.Generator().manual_seed(0))
+    ids = tiny_token_ids(0, (2, 20))
     batch = target.capture(ids)
     hs = _reference_hidden_states(path, kind, ids)
     # hidden_states[i + 1] is layer i's output; using hidden_states[i] (ids off by one) must not match.
@@ -44,7 +44,7 @@ def test_capture_runs_the_final_norm_only_for_the_models_last_layer(tiny_target,
     target = load_target(tiny_target("qwen3_5"), layer_ids=layer_ids)
     calls = []
     target.model.model.norm.register_forward_hook(lambda *_: calls.append(1))
-    target.capture(torch.randint(0, TINY_MASK_TOKEN_ID, (1, 12), generator=torch.Generator().manual_seed(0)))
+    target.capture(tiny_token_ids(0, (1, 12)))
     assert len(calls) == norms
 
 
@@ -86,7 +86,7 @@ def test_tiny_target_is_deterministic_from_seed(tmp_path) -> None:
 def test_fla_kernels_on_cuda_match_torch_fallback_on_cpu(tiny_target, kind: str) -> None:
     pytest.importorskip("fla")
     path = tiny_target(kind)
-    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids = tiny_token_ids(0, (2, 40))
     cpu = load_target(path, layer_ids=LAYER_IDS).capture(ids).context
     gpu = (
         load_target(path, device="cuda", dtype=torch.float32, layer_ids=LAYER_IDS).capture(ids.cuda()).context

@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
 from dflash_trainer.model.target import CAUSAL_LM_CLASSES, load_target, read_text_config
-from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
+from dflash_trainer.model.tiny import TINY_KINDS, tiny_token_ids
 
 
 def _served_features(path, kind: str, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -30,7 +30,7 @@ def test_capture_is_what_dflash_feeds_the_drafter(tiny_target, kind: str, layer_
     """([1, 4], True): the whole target loaded for the walk, the capture still stops after layer 4;
     ([2, 7], False): 7 is the last layer, which HF (and so serving) takes after the final norm."""
     path = tiny_target(kind)
-    ids = torch.randint(0, TINY_MASK_TOKEN_ID, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = tiny_token_ids(1, (2, 12))
     captured = load_target(path, layer_ids=layer_ids, full=full).capture(ids).context
     torch.testing.assert_close(captured, _served_features(path, kind, ids, layer_ids), rtol=1e-5, atol=1e-5)
 
