@@ -44,7 +44,7 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     target = str(tmp_path / "target")
     cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out),
            "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3",
-           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "12"]  # fmt: skip
+           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "40"]  # fmt: skip
     for key, value in SMALL.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(

@@ -221,7 +221,7 @@ SAVED = re.compile(r"checkpoint (step-\d+): stall")
 
 
 def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, rank: int,
-              timeout: float) -> dict:  # fmt: skip
+              steps: int, timeout: float) -> dict:  # fmt: skip
     """One rank killed mid-run (SIGKILL, as the OOM killer does): the launcher must end the job within seconds
     naming that rank, and a restart must resume at the newest checkpoint. Its own short run under OUT/."""
     fault = {"rank": rank}
@@ -245,6 +245,10 @@ def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListen
     if saved is None or rank not in pids:
         proc.kill()
         fault["error"] = f"no checkpoint or no pid of rank {rank} within {timeout:.0f} s"
+        return fault
+    if int(saved.split("-")[1]) >= steps:  # on a host fast for the log's polling: no step left to resume
+        _wait_or_kill(proc, 120)
+        fault["error"] = f"the first checkpoint seen ({saved}) was the run's last: raise --fault-steps"
         return fault
     killed = time.time()
     try:
@@ -471,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check=True, stdout=subprocess.DEVNULL,
             )  # fmt: skip
             figures["fault"] = run_fault(fault_dir / "smoke.toml", fault_dir, env, notify, world=world,
-                                         rank=args.fault_rank, timeout=args.phase_timeout)  # fmt: skip
+                                         rank=args.fault_rank, steps=args.fault_steps,
+                                         timeout=args.phase_timeout)  # fmt: skip
             ok = ok and bool(figures["fault"].get("ok"))
     finally:
         notify.close()
