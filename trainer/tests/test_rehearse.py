@@ -70,3 +70,17 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     fault = figures["fault"]
     assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank
     assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault
+
+
+def test_the_fault_scenario_expects_the_resume_from_the_newest_checkpoint_on_disk(tmp_path):
+    """CI saw a kill land after step 12's save was renamed into place but before its log line: the restart
+    rightly resumed at 13. Expected: the step on disk when the job ended (a half-written save is not one)."""
+    from dflash_trainer.service.rehearse import _newest_checkpoint_step
+
+    checkpoints = tmp_path / "checkpoints"
+    config = tmp_path / "smoke.toml"
+    config.write_text(f'[train]\ncheckpoint_dir = "{checkpoints}"\n')
+    assert _newest_checkpoint_step(config) is None
+    for name in ("step-00000006", "step-00000012", ".tmp-step-00000018-4242"):
+        (checkpoints / name).mkdir(parents=True)
+    assert _newest_checkpoint_step(config) == 12

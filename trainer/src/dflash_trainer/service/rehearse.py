@@ -220,6 +220,14 @@ STARTED = re.compile(r"started \d+ rank\(s\): (.*)")
 SAVED = re.compile(r"checkpoint (step-\d+): stall")
 
 
+def _newest_checkpoint_step(config: Path) -> int | None:
+    from dflash_trainer.checkpoint import latest_checkpoint
+
+    directory = tomllib.loads(config.read_text())["train"]["checkpoint_dir"]
+    latest = latest_checkpoint(Path(directory))
+    return int(latest.name.split("-")[1]) if latest else None
+
+
 def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, rank: int,
               steps: int, timeout: float) -> dict:  # fmt: skip
     """One rank killed mid-run (SIGKILL, as the OOM killer does): the launcher must end the job within seconds
@@ -264,16 +272,20 @@ def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListen
     fault["exit_code"] = proc.returncode
     text = log_path.read_text()
     fault["named"] = f"rank {rank} killed by SIGKILL" in text
+    # What the restart must resume from: the newest complete checkpoint on disk now that the job has ended.
+    # Not the newest the log printed: a save can land between the rank's rename and its log line.
+    newest = _newest_checkpoint_step(config)
+    if newest is not None and newest >= steps:
+        fault["error"] = f"the killed run had saved its last step ({newest}) already: raise --fault-steps"
     phase = run_phase("fault-run2", [*launch, "--summary", str(out / "fault-run2")], env, out, notify,
                       pause_at=None, timeout=timeout)  # fmt: skip
-    newest = int(SAVED.findall(log_path.read_text())[-1].split("-")[1])
     firsts = [s["first_step"] for s in phase.summaries if s.get("first_step")]
     fault.update(
         resumed_at=firsts[0] if firsts else None, checkpoint_step=newest, restart_exit=phase.exit_code
     )
     fault["ok"] = bool(
         fault["exit_code"] not in (0, None) and fault["named"] and fault["job_ended_s"] < 30
-        and phase.exit_code == 0 and firsts and firsts[0] == newest + 1
+        and phase.exit_code == 0 and firsts and newest is not None and firsts[0] == newest + 1
     )  # fmt: skip
     say(f"fault: {fault}")
     return fault
