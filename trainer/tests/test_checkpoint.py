@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from dflash_trainer.checkpoint import (
@@ -14,6 +15,8 @@ from dflash_trainer.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    step_name,
+    step_of_name,
 )
 
 
@@ -52,3 +55,10 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     save_checkpoint(tmp_path, 3, {"v": 2}, {}, keep_last=3)
     assert load_checkpoint(latest_checkpoint(tmp_path), ema=False) == ({"v": 2}, None)
     assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_a_checkpoint_name_gives_back_its_step_and_anything_else_is_refused():
+    assert step_of_name(step_name(12)) == 12
+    for name in (".tmp-step-00000012-4242", "step-12", "ema.pt"):
+        with pytest.raises(ValueError, match="not a checkpoint name"):
+            step_of_name(name)

@@ -77,6 +77,13 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of_name(name: str) -> int:
+    """The step of a checkpoint's directory name (`step_name`'s inverse)."""
+    if not (m := _STEP_DIR.match(name)):
+        raise ValueError(f"{name!r} is not a checkpoint name (step-NNNNNNNN)")
+    return int(m.group(1))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -221,17 +221,19 @@ SAVED = re.compile(r"checkpoint (step-\d+): stall")
 
 
 def _newest_checkpoint_step(config: Path) -> int | None:
-    from dflash_trainer.checkpoint import latest_checkpoint
+    from dflash_trainer.checkpoint import latest_checkpoint, step_of_name
 
     directory = tomllib.loads(config.read_text())["train"]["checkpoint_dir"]
     latest = latest_checkpoint(Path(directory))
-    return int(latest.name.split("-")[1]) if latest else None
+    return step_of_name(latest.name) if latest else None
 
 
 def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, rank: int,
               steps: int, timeout: float) -> dict:  # fmt: skip
     """One rank killed mid-run (SIGKILL, as the OOM killer does): the launcher must end the job within seconds
     naming that rank, and a restart must resume at the newest checkpoint. Its own short run under OUT/."""
+    from dflash_trainer.checkpoint import step_of_name
+
     fault = {"rank": rank}
     launch = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config)]
     log_path = out / "fault-run1.log"
@@ -254,7 +256,7 @@ def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListen
         proc.kill()
         fault["error"] = f"no checkpoint or no pid of rank {rank} within {timeout:.0f} s"
         return fault
-    if int(saved.split("-")[1]) >= steps:  # on a host fast for the log's polling: no step left to resume
+    if step_of_name(saved) >= steps:  # on a host fast for the log's polling: no step left to resume
         _wait_or_kill(proc, 120)
         fault["error"] = f"the first checkpoint seen ({saved}) was the run's last: raise --fault-steps"
         return fault
@@ -275,8 +277,9 @@ def run_fault(config: Path, out: Path, env: dict[str, str], notify: NotifyListen
     # What the restart must resume from: the newest complete checkpoint on disk now that the job has ended.
     # Not the newest the log printed: a save can land between the rank's rename and its log line.
     newest = _newest_checkpoint_step(config)
-    if newest is not None and newest >= steps:
+    if newest is not None and newest >= steps:  # nothing left for a restart to resume
         fault["error"] = f"the killed run had saved its last step ({newest}) already: raise --fault-steps"
+        return fault
     phase = run_phase("fault-run2", [*launch, "--summary", str(out / "fault-run2")], env, out, notify,
                       pause_at=None, timeout=timeout)  # fmt: skip
     firsts = [s["first_step"] for s in phase.summaries if s.get("first_step")]
@@ -489,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures["fault"] = run_fault(fault_dir / "smoke.toml", fault_dir, env, notify, world=world,
                                          rank=args.fault_rank, steps=args.fault_steps,
                                          timeout=args.phase_timeout)  # fmt: skip
+            if "error" in figures["fault"]:  # a scenario that could not run says why, not only in the JSON
+                say(f"fault: {figures['fault']['error']}")
             ok = ok and bool(figures["fault"].get("ok"))
     finally:
         notify.close()
