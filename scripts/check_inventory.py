@@ -3,6 +3,13 @@ and line), its vault files are encrypted, it has the groups the plays target, an
 count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc (the rule lives with the
 role that renders the unit: roles/trainer_service/filter_plugins/dflash_train_config.py).
 
+Several hosts (docs/multi-host.md): a CT's cluster is the `pve_cluster` of its Proxmox host (ct_proxmox_host;
+hosts without one count as one cluster). VMIDs are unique across a cluster (pve-cluster src/PVE/Cluster.pm
+check_vmid_unused, which the API's create runs: "CT 200 already exists on node 'pve1'"), so two CTs of one
+cluster with one ct_vmid are refused here, before any API call. Where the inventory keeps its API token
+secrets in `vault_pve_api_token_secrets` (one per cluster, as inventory/example does), each CT's cluster
+needs its key. Values that are templates are left to roles/pve_container's preflight.
+
 Vault rule: a file named vault.yml or vault.yaml under the inventory's group_vars/ or host_vars/ holds secrets
 and must be ansible-vault encrypted (its first line starts with `$ANSIBLE_VAULT;`); a plain one is refused
 before anything reads it. inventory/lab has none (its secrets are random files under lab_dir that `make lab`
@@ -38,6 +45,70 @@ def rank_problems(data: dict) -> list[str]:
         for h in hosts
         for p in module.host_problems(h, hostvars.get(h, {}), reference, len(job) if h in job else 1)
     ]
+
+
+DEFAULT_VMID = 200  # roles/pve_container/defaults/main.yml ct_vmid
+SECRETS_KEY = "vault_pve_api_token_secrets"
+
+
+def cluster_of(ct: str, hostvars: dict) -> str:
+    """The pve_cluster of the CT's Proxmox host; '' (one cluster for all such hosts) when unset."""
+    host = hostvars.get(ct, {}).get("ct_proxmox_host", ct)
+    return str(hostvars.get(host, {}).get("pve_cluster", ""))
+
+
+def _cluster_name(cluster: str) -> str:
+    return f"Proxmox cluster {cluster!r}" if cluster else "one Proxmox cluster (no pve_cluster set)"
+
+
+def literal_vmid(value: object) -> int | None:
+    """ct_vmid as an int, or None for a template (its value is known only in a play)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    return int(text) if text.isdigit() else None
+
+
+def vmid_problems(data: dict) -> list[str]:
+    """One line per VMID that two or more CTs of one cluster share."""
+    hostvars = data.get("_meta", {}).get("hostvars", {})
+    by_id: dict[tuple[str, int], list[str]] = {}
+    for ct in data.get("training_cts", {}).get("hosts", []):
+        vmid = literal_vmid(hostvars.get(ct, {}).get("ct_vmid", DEFAULT_VMID))
+        if vmid is not None:
+            by_id.setdefault((cluster_of(ct, hostvars), vmid), []).append(ct)
+    problems = []
+    for (cluster, vmid), cts in sorted(by_id.items()):
+        if len(cts) < 2:
+            continue
+        nodes = [str(hostvars.get(ct, {}).get("ct_proxmox_host", ct)) for ct in cts]
+        where = f"{_cluster_name(cluster)} (on {', '.join(nodes)})"
+        refusal = f"CT {vmid} already exists on node '{nodes[0]}'"
+        problems.append(
+            f"{' and '.join(cts)} share ct_vmid {vmid} in {where}: VMIDs are unique across a cluster, so "
+            f'its API refuses the second ("{refusal}"); give each CT its own ct_vmid in its host vars, '
+            "or set the hosts' pve_cluster if they are separate clusters"
+        )
+    return problems
+
+
+def token_secret_problems(data: dict) -> list[str]:
+    """One line per CT whose cluster has no key in vault_pve_api_token_secrets (when the inventory has it)."""
+    hostvars = data.get("_meta", {}).get("hostvars", {})
+    problems = []
+    for ct in data.get("training_cts", {}).get("hosts", []):
+        secrets = hostvars.get(ct, {}).get(SECRETS_KEY)
+        if not isinstance(secrets, dict):
+            continue
+        cluster = cluster_of(ct, hostvars)
+        if cluster not in secrets:
+            host = hostvars.get(ct, {}).get("ct_proxmox_host", ct)
+            have = sorted(secrets) or "none"
+            problems.append(
+                f"{ct} (on {host}, pve_cluster {cluster!r}) has no API token secret: {SECRETS_KEY} has no "
+                f"key {cluster!r} (it has {have}); add the secret of that cluster's token to the vault"
+            )
+    return problems
 
 
 VAULT_NAMES = ("vault.yml", "vault.yaml")
@@ -116,9 +187,9 @@ def check(inventory: Path) -> list[str]:
         detail = (noise or proc.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"INVENTORY={inventory}: cannot be parsed: {detail.strip()}"]
     data = json.loads(proc.stdout)
-    return [
-        f"INVENTORY={inventory}: group {g} has no hosts" for g in GROUPS if not data.get(g, {}).get("hosts")
-    ] + [f"INVENTORY={inventory}: {p}" for p in rank_problems(data)]
+    problems = [f"group {g} has no hosts" for g in GROUPS if not data.get(g, {}).get("hosts")]
+    problems += rank_problems(data) + vmid_problems(data) + token_secret_problems(data)
+    return [f"INVENTORY={inventory}: {p}" for p in problems]
 
 
 if __name__ == "__main__":
