@@ -9,8 +9,10 @@ rebuilt rather than trusted.
 from __future__ import annotations
 
 import hashlib
+import os
 import resource
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -35,6 +37,12 @@ BASE_PACKAGES = [
     "less",
 ]
 BOOT_TIMEOUT_S = 90
+# An unprivileged CT's ids as PVE maps them: CT uid/gid 0..65535 are host 100000..165535 (pve-container
+# src/PVE/LXC.pm parse_id_maps: the default `u 0 100000 65536` / `g 0 100000 65536`; /etc/subuid root:100000:65536).
+ID_MAP_BASE = 100000
+ID_MAP_SIZE = 65536
+SUBID_FILES = (Path("/etc/subuid"), Path("/etc/subgid"))
+SYSFS_HOOK = Path(__file__).resolve().parent / "lxc_hooks" / "sysfs"
 # Fills a root filesystem directory that does not exist yet: (rootfs, hostname).
 RootfsMaker = Callable[[Path, str], None]
 
@@ -101,9 +109,12 @@ def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
         f"lxc.rootfs.path = dir:{LXC_ROOT / spec.name / 'rootfs'}",
         "lxc.net.0.type = none",  # host network: loopback services (fakepve, S3) are reachable as on the host
         "lxc.apparmor.profile = unconfined",
-        "lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed",
         f"lxc.prlimit.memlock = {memlock_limit()}",
     ]
+    if spec.unprivileged:
+        lines += unprivileged_lines()
+    else:
+        lines.append("lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed")
     if spec.shm_size_mb is not None:
         # The entry Proxmox writes for a sized /dev/shm: tmpfs pages count against the memory limit below.
         lines.append(
@@ -120,6 +131,49 @@ def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
                 rel = str(wheel_dir).lstrip("/")
                 lines.append(f"lxc.mount.entry = {wheel_dir} {rel} none bind,ro,create=dir 0 0")
     return "\n".join(lines) + "\n"
+
+
+def unprivileged_lines() -> list[str]:
+    """What PVE writes for an unprivileged CT (pve-container src/PVE/LXC.pm update_lxc_config: userns.conf,
+    the id maps, the capabilities it drops), less the sysfs mount that a CT on this machine's network namespace
+    cannot make itself: lab/lxc_hooks/sysfs says why and mounts it from outside."""
+    return [
+        "lxc.include = /usr/share/lxc/config/userns.conf",
+        # userns.conf empties lxc.cap.drop; PVE drops these again (update_lxc_config: lxc.cap.drop).
+        "lxc.cap.drop = mac_admin mac_override sys_time sys_module sys_rawio",
+        f"lxc.idmap = u 0 {ID_MAP_BASE} {ID_MAP_SIZE}",
+        f"lxc.idmap = g 0 {ID_MAP_BASE} {ID_MAP_SIZE}",
+        "lxc.mount.auto =",  # common.conf's sys:mixed would fail (EPERM): reset, then everything but sys
+        "lxc.mount.auto = proc:mixed cgroup:mixed",
+        f"lxc.hook.pre-start = {SYSFS_HOOK}",
+        f"lxc.hook.post-stop = {SYSFS_HOOK}",
+    ]
+
+
+def ensure_subids() -> None:
+    """root may map the ids an unprivileged CT uses (newuidmap refuses a range /etc/subuid does not grant):
+    the line a PVE host has from its installation."""
+    line = f"root:{ID_MAP_BASE}:{ID_MAP_SIZE}"
+    for path in SUBID_FILES:
+        text = path.read_text() if path.exists() else ""
+        if line not in text.splitlines():
+            path.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+
+
+def shift_ids(rootfs: Path, base: int = ID_MAP_BASE) -> None:
+    """Moves every file of a fresh root filesystem to the CT's mapped ids, as `pct create` unpacks a template
+    for an unprivileged CT (pve-container src/PVE/LXC/Create.pm restore_archive runs tar through
+    lxc-usernsexec with the CT's id map). chown clears set-id bits, so they are put back."""
+    for directory, dirs, files in os.walk(rootfs):
+        # os.walk lists a symlink to a directory among dirs and does not enter it: it is chowned from here.
+        links = [d for d in dirs if os.path.islink(os.path.join(directory, d))]
+        for path in [directory, *(os.path.join(directory, f) for f in [*files, *links])]:
+            st = os.lstat(path)
+            if st.st_uid >= base:
+                continue
+            os.lchown(path, st.st_uid + base, st.st_gid + base)
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(path, stat.S_IMODE(st.st_mode))
 
 
 def memlock_limit() -> str:
@@ -200,10 +254,17 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings, make_rootfs: Ro
     if directory.exists() and not marker.exists():
         say(f"lab: {spec.name} is half-built (no completion marker); rebuilding it")
         remove(spec.name)
+    if directory.exists() and _rootfs_unprivileged(directory / "rootfs") != spec.unprivileged:
+        say(f"lab: {spec.name} changes between privileged and unprivileged; rebuilding it")
+        remove(spec.name)
     if not directory.exists():
         directory.mkdir(parents=True)
         make_rootfs(directory / "rootfs", spec.name)
+        if spec.unprivileged:
+            shift_ids(directory / "rootfs")
         changed = True
+    if spec.unprivileged:
+        ensure_subids()
 
     config_path = directory / "config"
     if not config_path.exists() or config_path.read_text() != config:
@@ -222,6 +283,14 @@ def ensure_container(spec: ContainerSpec, settings: LabSettings, make_rootfs: Ro
     wait_booted(spec.name)
     marker.write_text(digest + "\n")
     return changed
+
+
+def _rootfs_unprivileged(rootfs: Path) -> bool:
+    """Whether ROOTFS was shifted to the mapped ids (its top directory belongs to the CT's root)."""
+    try:
+        return rootfs.stat().st_uid == ID_MAP_BASE
+    except FileNotFoundError:
+        return False
 
 
 def destroy_container(name: str) -> bool:

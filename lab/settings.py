@@ -22,6 +22,8 @@ class ContainerSpec:
     memory_mb: int | None
     # Bind mounts: (directory on this machine, absolute path in the container).
     binds: tuple[tuple[Path, str], ...] = ()
+    # CT 200 as the inventory's ct_unprivileged says: its root is uid 100000 here (lab/containers.py).
+    unprivileged: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ def load_settings(inventory: Path) -> LabSettings:
                 binds=mount_point_binds(
                     h, v.get("ct_mount_points", []), storage_dir, storage_host_path, inventory
                 ),
+                unprivileged=_require(v, "ct_unprivileged", bool, inventory),
             )
         )
     for key in ("lab_fakepve_host", "lab_s3_host"):
