@@ -38,7 +38,8 @@ BASE_PACKAGES = [
 ]
 BOOT_TIMEOUT_S = 90
 # An unprivileged CT's ids as PVE maps them: CT uid/gid 0..65535 are host 100000..165535 (pve-container
-# src/PVE/LXC.pm parse_id_maps: the default `u 0 100000 65536` / `g 0 100000 65536`; /etc/subuid root:100000:65536).
+# src/PVE/LXC.pm parse_id_maps: the default `u 0 100000 65536` and `g 0 100000 65536`; /etc/subuid grants
+# root:100000:65536).
 ID_MAP_BASE = 100000
 ID_MAP_SIZE = 65536
 SUBID_FILES = (Path("/etc/subuid"), Path("/etc/subgid"))
@@ -135,11 +136,13 @@ def lxc_config(spec: ContainerSpec, settings: LabSettings) -> str:
 
 def unprivileged_lines() -> list[str]:
     """What PVE writes for an unprivileged CT (pve-container src/PVE/LXC.pm update_lxc_config: userns.conf,
-    the id maps, the capabilities it drops), less the sysfs mount that a CT on this machine's network namespace
-    cannot make itself: lab/lxc_hooks/sysfs says why and mounts it from outside."""
+    the default id maps, sys:mixed), less the sysfs mount that a CT on this machine's network
+    namespace cannot make itself: lab/lxc_hooks/sysfs says why and mounts it from outside."""
     return [
         "lxc.include = /usr/share/lxc/config/userns.conf",
-        # userns.conf empties lxc.cap.drop; PVE drops these again (update_lxc_config: lxc.cap.drop).
+        # userns.conf empties common.conf's lxc.cap.drop; the lab drops it again so that systemd skips
+        # sys-kernel-debug.mount (ConditionCapability=CAP_SYS_RAWIO): debugfs cannot be mounted in a user
+        # namespace, and the boot would end "degraded" instead of "running" (lab/containers.py wait_booted).
         "lxc.cap.drop = mac_admin mac_override sys_time sys_module sys_rawio",
         f"lxc.idmap = u 0 {ID_MAP_BASE} {ID_MAP_SIZE}",
         f"lxc.idmap = g 0 {ID_MAP_BASE} {ID_MAP_SIZE}",
