@@ -109,13 +109,27 @@ write_manifest(m); write_manifest(out / "shards")
     return HOST_CACHE
 
 
+def ct_root_ids(ct: str = CT) -> tuple[int, int]:
+    """The ids of the CT's root on this machine: 0 for a privileged CT, 100000 for an unprivileged one
+    (the first line of its init's uid_map and gid_map)."""
+    pid = subprocess.run(
+        ["lxc-info", "-n", ct, "-p", "-H"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    uid, gid = (int(Path(f"/proc/{pid}/{kind}").read_text().split()[1]) for kind in ("uid_map", "gid_map"))
+    return uid, gid
+
+
 def stage_data() -> None:
-    """A fresh copy of the data in the container (tests damage it on purpose)."""
+    """A fresh copy of the data in the container (tests damage it on purpose), owned by the CT's root as a
+    copy made inside it would be (an unprivileged CT's root owns nothing of this machine's root)."""
     src = host_data()
     dest = ROOTFS / DATA.lstrip("/")
     dest.mkdir(parents=True, exist_ok=True)
     for part in ("model", "shards"):
         subprocess.run(["rsync", "-a", "--delete", f"{src / part}/", f"{dest / part}/"], check=True)
+    uid, gid = ct_root_ids()
+    os.chown(dest, uid, gid)  # not -R: the trainer's state directory beside them is the trainer user's
+    subprocess.run(["chown", "-R", f"{uid}:{gid}", str(dest / "model"), str(dest / "shards")], check=True)
 
 
 def converge(*extra: str) -> None:

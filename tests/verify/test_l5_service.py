@@ -89,3 +89,28 @@ def test_requires_the_model_staging(host, hostvars):
         assert STAGE not in requires, (
             f"{UNIT} requires {STAGE} but the inventory sets trainer_service_requires_stage_model: false"
         )
+
+
+def test_unit_runs_the_trainer_without_privileges(host):
+    """What the unit asks systemd for; test_the_running_trainer_is_its_own_user_without_privileges
+    (tests/service/test_hardening.py) reads what the kernel enforces on the running ranks."""
+    p = props(
+        host,
+        "User",
+        "NoNewPrivileges",
+        "CapabilityBoundingSet",
+        "ProtectSystem",
+        "PrivateTmp",
+        "UMask",
+        "RestrictSUIDSGID",
+    )
+    assert p["User"] == DEFAULTS["trainer_service_user"] and p["User"] != "root"
+    assert p["NoNewPrivileges"] == "yes" and p["CapabilityBoundingSet"] == ""
+    assert p["ProtectSystem"] == "strict" and p["PrivateTmp"] == "yes" and p["UMask"] == "0077"
+    assert p["RestrictSUIDSGID"] == "yes"
+    if host.service("dflash-train").is_running:  # on a host that trains: the launcher as the kernel sees it
+        pid = host.check_output(f"systemctl show -p MainPID --value {UNIT}")
+        status = dict(
+            line.split(":", 1) for line in host.file(f"/proc/{pid}/status").content_string.splitlines()
+        )
+        assert status["NoNewPrivs"].strip() == "1" and int(status["CapBnd"], 16) == 0
