@@ -172,6 +172,7 @@ def test_the_jobs_interface_is_net1_with_a_pinned_mac_and_a_rerun_changes_nothin
     first = play2(cts, groups={"training_job": list(cts)}, **JOB)
     assert first.rc == 0, first.error()
     nets = {ct.vmid: ct.config.get("net1", "") for ct in pve.cts}
+    assert all(nets.values()), f"the job's interface is not a netN of the CTs: net1 {nets}"
     for vmid, address in ((200, "10.30.0.21/24"), (201, "10.30.0.22/24")):
         options = dict(part.split("=", 1) for part in nets[vmid].split(","))
         assert options["name"] == "eth1" and options["bridge"] == "vmbr1" and options["ip"] == address, nets
