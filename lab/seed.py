@@ -5,6 +5,7 @@ either makes a new seed."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -118,6 +119,28 @@ def ensure_bucket(settings: LabSettings) -> bool:
             f"s3://{settings.s3_bucket}/{prefix}",
         ).stdout
         changed = changed or bool(out.strip())
+    return write_manifest_digests(settings) or changed
+
+
+def digests_dir(settings: LabSettings) -> Path:
+    return settings.lab_dir / "digests"
+
+
+def write_manifest_digests(settings: LabSettings) -> bool:
+    """The sha256 of each manifest just pushed, which inventory/lab pins (shard_sync_manifest_sha256,
+    model_stage_manifest_sha256 read these files): the pins follow the seed, and the bucket never vouches
+    for itself. Returns whether a digest changed."""
+    model, shards = seed_dirs(settings)
+    changed = False
+    for name, local in (("model", model), ("shards", shards)):
+        digest = hashlib.sha256((local / "MANIFEST.json").read_bytes()).hexdigest()
+        path = digests_dir(settings) / f"{name}_manifest_sha256"
+        if not path.exists() or path.read_text() != digest + "\n":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(digest + "\n")
+            tmp.replace(path)
+            changed = True
     return changed
 
 

@@ -90,6 +90,11 @@ def work(converged) -> str:
     ct(f"rm -rf {WORK} {SHM_WORK}")
 
 
-def sync(dest: str, *extra: str, source: str | None = None) -> subprocess.CompletedProcess[str]:
+def sync(
+    dest: str, *extra: str, source: str | None = None, pin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The deployed sync with the lab's settings; another source needs the pin of its own manifest."""
     src = f"--source {source}" if source else ""
+    if pin:
+        src += f" --manifest-sha256 {pin}"
     return ct(f"{SYNC} --config {SHARDS_CONFIG} {src} --dest {dest} --progress-s 1 {' '.join(extra)}")

@@ -38,6 +38,11 @@ def manifest_of(directory: Path) -> dict:
     }
 
 
+def sha256_of(data: bytes) -> str:
+    """A manifest's pin: the sha256 of the file's bytes, as shard_sync_manifest_sha256 holds it."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_with_manifest(directory: Path, files: dict[str, bytes]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():

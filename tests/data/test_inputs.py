@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from tests.data.conftest import REPO
+from tests.data.conftest import REPO, ct_ok
 
 
-def play(*extra_vars: str) -> subprocess.CompletedProcess[str]:
+def play(*extra_vars: str, tags: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
@@ -21,6 +21,8 @@ def play(*extra_vars: str) -> subprocess.CompletedProcess[str]:
     argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", "inventory/lab", "ansible/l4_data.yml"]
     for ev in extra_vars:
         argv += ["-e", ev]
+    if tags:
+        argv += ["--tags", tags]
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -42,3 +44,28 @@ def test_bad_value_is_named_before_anything_changes(extra: list[str], expected: 
     assert proc.returncode != 0
     assert expected in proc.stdout, proc.stdout[-2000:]
     assert "changed=0" in proc.stdout
+
+
+SHARDS = "/var/lib/dflash/shards"
+
+
+def test_a_manifest_that_is_not_the_pinned_one_stops_l4_and_the_shards_stay(converged) -> None:
+    """The lab's bucket against another pin (what a manifest rewritten in the bucket looks like to L4): the
+    play stops on one line naming the manifest's URI, its sha256 and the pin, and the synced shards and the
+    trainer's pin are as they were. A second play with the inventory's pin puts the settings back."""
+    before = ct_ok(f"cd {SHARDS} && stat -c '%n %s %Y %i' * && cat /etc/dflash/manifest-pins/shards.json")
+    actual = ct_ok(f"sha256sum {SHARDS}/MANIFEST.json").split()[0]
+    wrong = "0123456789abcdef" * 4
+    try:
+        proc = play(f"shard_sync_manifest_sha256={wrong}", tags="shard_sync")
+        assert proc.returncode != 0
+        said = " ".join(proc.stdout.split())
+        assert (
+            f"dflash-s3-sync: error: s3://dflash-lab/shards/MANIFEST.json: sha256 {actual} is not the pinned "
+            f"{wrong}; refusing it and leaving the local copy as it is"
+        ) in said, proc.stdout[-2000:]
+        after = ct_ok(f"cd {SHARDS} && stat -c '%n %s %Y %i' * && cat /etc/dflash/manifest-pins/shards.json")
+        assert after == before
+    finally:
+        restored = play(tags="shard_sync")
+        assert restored.returncode == 0, restored.stdout[-2000:]

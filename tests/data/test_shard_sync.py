@@ -124,8 +124,9 @@ def test_wrong_checksum_in_the_manifest_is_one_clear_error(work: str) -> None:
     manifest["files"][1]["sha256"] = "0" * 64
     for name, data in s3data.shard_files().items():
         s3data.put("wrongsum/", name, data)
-    s3data.put("wrongsum/", "MANIFEST.json", json.dumps(manifest).encode())
-    proc = sync(f"{work}/wrong", source="s3://dflash-l4-test/wrongsum/")
+    text = json.dumps(manifest).encode()
+    s3data.put("wrongsum/", "MANIFEST.json", text)
+    proc = sync(f"{work}/wrong", source="s3://dflash-l4-test/wrongsum/", pin=s3data.sha256_of(text))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, lines
@@ -134,8 +135,9 @@ def test_wrong_checksum_in_the_manifest_is_one_clear_error(work: str) -> None:
 
 
 def test_malformed_manifest_is_one_clear_error(work: str) -> None:
-    s3data.put("badjson/", "MANIFEST.json", b'{"files": [{"path": "a", "size": "big"}]}')
-    proc = sync(f"{work}/bad", source="s3://dflash-l4-test/badjson/")
+    text = b'{"files": [{"path": "a", "size": "big"}]}'
+    s3data.put("badjson/", "MANIFEST.json", text)
+    proc = sync(f"{work}/bad", source="s3://dflash-l4-test/badjson/", pin=s3data.sha256_of(text))
     assert proc.returncode == 1
     assert proc.stderr.strip() == (
         "dflash-s3-sync: error: s3://dflash-l4-test/badjson/MANIFEST.json: "
@@ -144,9 +146,12 @@ def test_malformed_manifest_is_one_clear_error(work: str) -> None:
 
 
 def test_missing_manifest_is_one_clear_error(work: str) -> None:
-    proc = sync(f"{work}/none", source="s3://dflash-l4-test/no-such-prefix/")
+    proc = sync(f"{work}/none", source="s3://dflash-l4-test/no-such-prefix/", pin="0" * 64)
     assert proc.returncode == 1
-    assert "s3://dflash-l4-test/no-such-prefix/MANIFEST.json: cannot read it" in proc.stderr
+    assert proc.stderr.strip() == (
+        "dflash-s3-sync: error: s3://dflash-l4-test/no-such-prefix/MANIFEST.json: cannot read it: "
+        "no such object (is the bucket seeded, the prefix right?)"
+    )
     assert ct(f"test -e {work}/none").returncode == 1
 
 
@@ -155,3 +160,45 @@ def test_a_foreign_directory_is_never_emptied(work: str) -> None:
     proc = sync(f"{work}/foreign")
     assert proc.returncode == 1 and "not made by dflash-s3-sync" in proc.stderr
     assert ct_ok(f"cat {work}/foreign/notes.txt").strip() == "keep"
+
+
+def test_a_tampered_manifest_is_refused_and_nothing_local_changes(work: str) -> None:
+    """Someone who can write the bucket swaps a shard and rewrites the manifest to match: the manifest still
+    checks the data, but its own sha256 is not the pinned one (from the inventory), so it is refused, in one
+    line naming the URI and both digests, before anything local is touched."""
+    prefix, dest = "pinned/", f"{work}/pinned"
+    files = s3data.shard_files()
+    for name, data in files.items():
+        s3data.put(prefix, name, data)
+    good = (s3data.SEED_DIR / "shards" / "MANIFEST.json").read_bytes()
+    s3data.put(prefix, "MANIFEST.json", good)
+    pin = s3data.sha256_of(good)
+    source = f"s3://{s3data.BUCKET}/{prefix}"
+    assert sync(dest, source=source, pin=pin).returncode == 0
+    before = ct_ok(f"cd {dest} && stat -c '%n %s %Y %i' * .dflash-sync.json && sha256sum *")
+
+    evil = s3data.shard_files(seed=99)[NAMES[0]][: len(files[NAMES[0]])]
+    manifest = json.loads(good)
+    manifest["files"][0]["sha256"] = s3data.sha256_of(evil)  # consistent with the swapped shard
+    tampered = (json.dumps(manifest, indent=1) + "\n").encode()
+    s3data.put(prefix, NAMES[0], evil)
+    s3data.put(prefix, "MANIFEST.json", tampered)
+    for extra in ((), ("--full",), ("--dry-run",)):
+        proc = sync(dest, *extra, source=source, pin=pin)
+        assert proc.returncode == 1, proc.stdout
+        assert proc.stderr.strip() == (
+            f"dflash-s3-sync: error: {source}MANIFEST.json: sha256 {s3data.sha256_of(tampered)} is not the "
+            f"pinned {pin}; refusing it and leaving the local copy as it is (re-pin the inventory's "
+            "manifest_sha256 only if this manifest is yours)"
+        )
+        assert "fetched" not in proc.stdout and "removing" not in proc.stdout
+    assert ct_ok(f"cd {dest} && stat -c '%n %s %Y %i' * .dflash-sync.json && sha256sum *") == before
+
+
+def test_a_sync_without_a_pin_is_refused(work: str) -> None:
+    proc = ct(f"{SYNC} --source s3://{s3data.BUCKET}/shards/ --dest {work}/nopin")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith(
+        "dflash-s3-sync: error: manifest_sha256 None: must be the 64 lowercase"
+    )
+    assert ct(f"test -e {work}/nopin").returncode == 1

@@ -199,12 +199,12 @@ class Stager:
                         out.append(f"{directory / e['path']}: sha256 differs from the manifest")
         return out[:limit]
 
-    def staged_is_valid(self, entries: list[dict], manifest_text: str) -> list[str]:
+    def staged_is_valid(self, entries: list[dict], manifest_bytes: bytes) -> list[str]:
         staged_manifest = self.dest / self.manifest_name
         if not self.dest.is_dir():
             return [f"{self.dest}: not staged"]
         try:
-            if staged_manifest.read_text() != manifest_text:
+            if staged_manifest.read_bytes() != manifest_bytes:
                 return [f"{staged_manifest}: differs from the source's manifest (a new model)"]
         except OSError:
             return [f"{staged_manifest}: missing (staging was interrupted)"]
@@ -216,10 +216,10 @@ class Stager:
     def run(self, check_only: bool) -> int:
         manifest_path = self.source / self.manifest_name
         entries = parse_manifest(manifest_path)
-        manifest_text = manifest_path.read_text()
+        manifest_bytes = manifest_path.read_bytes()  # copied byte for byte: its sha256 is pinned
         need = sum(e["size"] for e in entries)
         mode = "size and sha256 checked" if self.full else "size checked"
-        bad = self.staged_is_valid(entries, manifest_text)
+        bad = self.staged_is_valid(entries, manifest_bytes)
         if not bad:
             say(f"{self.dest}: already staged: {len(entries)} files, {human(need)}, {mode}; nothing to do")
             return 0
@@ -257,7 +257,7 @@ class Stager:
         started = time.monotonic()
         try:
             self.copy_all(entries, tmp, manifest_path)
-            (tmp / self.manifest_name).write_text(manifest_text)
+            (tmp / self.manifest_name).write_bytes(manifest_bytes)
             os.chmod(tmp / self.manifest_name, 0o644)
             os.rename(tmp, self.dest)
         except BaseException:

@@ -2,9 +2,11 @@
 """dflash-s3-sync: mirror an S3 prefix into a directory with the real awscli, checked against a manifest.
 
 The prefix holds MANIFEST.json: {"version": 1, "files": [{"path": str, "size": int, "sha256": str}, ...]}
-(the format of `dflash-train manifest DIR`). The directory ends up holding exactly the files the manifest
-lists, each with its size and sha256, plus a copy of the manifest written last (so a directory with
-MANIFEST.json is complete) and the tool's own dot files (.dflash-sync.json: what was verified; a lock).
+(the format of `dflash-train manifest DIR`). Its own sha256 is pinned (--manifest-sha256, from the inventory):
+any other manifest is refused before anything local changes, since a manifest from the bucket it checks only
+catches corruption, not someone who can write the bucket. The directory ends up holding exactly the files the
+manifest lists, each with its size and sha256, plus the manifest byte for byte, written last (so a directory
+with MANIFEST.json is complete), and the tool's own dot files (.dflash-sync.json: what was verified; a lock).
 
 - A file that is missing, truncated or corrupt is fetched again; one that matches is never downloaded,
   so a second run transfers the manifest only.
@@ -13,7 +15,8 @@ MANIFEST.json is complete) and the tool's own dot files (.dflash-sync.json: what
 - A file whose size and mtime are unchanged since it was last hashed is not hashed again unless --full.
 - One line per file as it lands, and a progress line every --progress-s seconds on long transfers.
 
-Credentials come from AWS_SHARED_CREDENTIALS_FILE (a root-only file), never from the command line.
+Credentials come from AWS_SHARED_CREDENTIALS_FILE (a root-only file), never from the command line; every
+S3 request, the manifest's GET included, goes through awscli and its signer.
 Standard library only: it runs on a bare Debian python3. Exit status: 0 done, 1 error (one line), 2 usage.
 """
 
@@ -21,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import configparser
 import contextlib
-import datetime
 import fcntl
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -34,9 +34,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 PROG = "dflash-s3-sync"
@@ -130,101 +127,34 @@ class Aws:
             out += ["--region", self.region]
         return out + list(args)
 
-    def read(self, uri: str) -> str:
-        """The object's text: through a signed stdlib GET (no awscli start-up, which costs seconds on a busy
-        machine), or through `aws s3 cp` when the credentials are not static keys or the GET fails oddly."""
+    def read(self, uri: str) -> bytes:
+        """The object's bytes through `aws s3 cp URI -`; SyncError naming the URI and the cause otherwise."""
         try:
-            text = self.read_direct(uri)
-        except SyncError:
-            raise
-        except Exception:  # any other trouble: let awscli try, with its own error texts
-            text = None
-        return text if text is not None else self.read_with_awscli(uri)
-
-    def static_credentials(self) -> tuple[str, str, str | None] | None:
-        env = os.environ
-        if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-            return env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], env.get("AWS_SESSION_TOKEN")
-        path = env.get("AWS_SHARED_CREDENTIALS_FILE", os.path.expanduser("~/.aws/credentials"))
-        parser = configparser.ConfigParser()
-        with contextlib.suppress(OSError, configparser.Error):
-            parser.read(path)
-        section = (
-            parser[env.get("AWS_PROFILE", "default")]
-            if parser.has_section(env.get("AWS_PROFILE", "default"))
-            else {}
-        )
-        if section.get("aws_access_key_id") and section.get("aws_secret_access_key"):
-            return (
-                section["aws_access_key_id"],
-                section["aws_secret_access_key"],
-                section.get("aws_session_token"),
+            proc = subprocess.run(
+                self.argv("s3", "cp", "--no-progress", uri, "-"),
+                capture_output=True,
+                check=False,
+                timeout=300,
             )
-        return None
-
-    def read_direct(self, uri: str) -> str | None:
-        creds = self.static_credentials()
-        bucket, _, key = uri[len("s3://") :].partition("/")
-        if creds is None or not self.region:
-            return None
-        path = "/" + urllib.parse.quote(key, safe="/-_.~")
-        if self.endpoint_url:
-            base = self.endpoint_url.rstrip("/")
-            path = f"/{bucket}{path}"
-        elif "." not in bucket:
-            base = f"https://{bucket}.s3.{self.region}.amazonaws.com"
-        else:
-            base = f"https://s3.{self.region}.amazonaws.com"
-            path = f"/{bucket}{path}"
-        host = urllib.parse.urlsplit(base).netloc
-        now = datetime.datetime.now(datetime.UTC)
-        amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-        empty = hashlib.sha256(b"").hexdigest()
-        headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": amz_date}
-        if creds[2]:
-            headers["x-amz-security-token"] = creds[2]
-        signed = ";".join(sorted(headers))
-        canonical = "\n".join(
-            ["GET", path, "", *(f"{k}:{headers[k]}" for k in sorted(headers)), "", signed, empty]
-        )
-        scope = f"{day}/{self.region}/s3/aws4_request"
-        to_sign = "\n".join(
-            ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-        )
-        k = ("AWS4" + creds[1]).encode()
-        for part in (day, self.region, "s3", "aws4_request"):
-            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
-        signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["Authorization"] = (
-            f"AWS4-HMAC-SHA256 Credential={creds[0]}/{scope}, SignedHeaders={signed}, Signature={signature}"
-        )
-        del headers["host"]
-        request = urllib.request.Request(base + path, headers=headers, method="GET")
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.read().decode()
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise SyncError(
-                    f"{uri}: cannot read it: no such object (is the bucket seeded, the prefix right?)"
-                ) from None
-            return None
-
-    def read_with_awscli(self, uri: str) -> str:
-        proc = subprocess.run(
-            self.argv("s3", "cp", "--no-progress", uri, "-"),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=300,
-        )
+        except subprocess.TimeoutExpired:
+            raise SyncError(
+                f"{uri}: cannot read it: no answer in 300 s from {self.endpoint_url or 'S3'}"
+            ) from None
         if proc.returncode != 0:
-            last = (proc.stderr or proc.stdout).strip().splitlines()
-            detail = last[-1] if last else f"exit {proc.returncode}"
-            if "404" in detail or "Not Found" in detail or "NoSuchKey" in detail:
-                detail = "no such object (is the bucket seeded, the prefix right?)"
-            raise SyncError(f"{uri}: cannot read it: {detail}")
+            raise SyncError(f"{uri}: cannot read it: {self.explain(proc.stderr or proc.stdout)}")
         return proc.stdout
+
+    def explain(self, output: bytes) -> str:
+        """awscli's last error line, or what it means when it is one of the usual three."""
+        lines = output.decode(errors="replace").strip().splitlines()
+        detail = lines[-1].strip() if lines else "awscli failed without a message"
+        if re.search(r"\b404\b|Not Found|NoSuchKey|NoSuchBucket", detail):
+            return "no such object (is the bucket seeded, the prefix right?)"
+        if re.search(r"\b403\b|Forbidden|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied", detail):
+            return f"access denied: check s3_access_key_id / s3_secret_access_key ({detail})"
+        if "Could not connect to the endpoint URL" in detail or "Connect timeout" in detail:
+            return f"endpoint {self.endpoint_url or 'S3'} unreachable ({detail})"
+        return detail
 
 
 def glob_escape(name: str) -> str:
@@ -242,10 +172,24 @@ def load_state(path: Path) -> dict:
         return {"verified": {}}
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    if isinstance(content, bytes):
+        tmp.write_bytes(content)
+    else:
+        tmp.write_text(content)
     os.replace(tmp, path)
+
+
+def check_pin(raw: bytes, uri: str, pinned: str) -> None:
+    """The manifest's own sha256 must be the pinned one (from the inventory, not from the bucket): a manifest
+    checks the data, the pin checks the manifest, so a writer of the bucket cannot swap both."""
+    actual = hashlib.sha256(raw).hexdigest()
+    if actual != pinned:
+        raise SyncError(
+            f"{uri}: sha256 {actual} is not the pinned {pinned}; refusing it and leaving the local copy "
+            f"as it is (re-pin the inventory's manifest_sha256 only if this manifest is yours)"
+        )
 
 
 class Syncer:
@@ -402,8 +346,14 @@ class Syncer:
 
     # -- main -----------------------------------------------------------------------------------------------
     def run(self) -> int:
-        entries = parse_manifest(self.aws.read(self.manifest_uri), self.manifest_uri)
-        manifest_text = json.dumps({"version": 1, "files": entries}, indent=1) + "\n"
+        raw = self.aws.read(self.manifest_uri)
+        check_pin(raw, self.manifest_uri, self.args.manifest_sha256)
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as e:
+            raise SyncError(f"{self.manifest_uri}: not UTF-8 text ({e})") from None
+        entries = parse_manifest(text, self.manifest_uri)
+        manifest_bytes = raw  # kept verbatim: the trainer's preflight checks its sha256 against the pin again
         total = sum(e["size"] for e in entries)
         if self.args.dry_run and not self.dest.exists():
             say(f"{self.dest}: would fetch all {len(entries)} files ({human(total)}); fetched 0 (dry run)")
@@ -447,10 +397,12 @@ class Syncer:
                     say(f"{e}; fetching it once more")
         write_atomic(self.state_path, json.dumps({"manifest": self.manifest_uri, "verified": good}) + "\n")
         old = (
-            (self.dest / self.args.manifest).read_text() if (self.dest / self.args.manifest).exists() else ""
+            (self.dest / self.args.manifest).read_bytes()
+            if (self.dest / self.args.manifest).exists()
+            else b""
         )
-        if old != manifest_text:
-            write_atomic(self.dest / self.args.manifest, manifest_text)
+        if old != manifest_bytes:
+            write_atomic(self.dest / self.args.manifest, manifest_bytes)
         say(
             f"{self.dest}: all {len(entries)} files ({human(total)}) match {self.manifest_uri}"
             f"{' (sha256 checked)' if self.args.full else ''}; fetched {len(bad)} files"
@@ -467,7 +419,17 @@ def load_config(args: argparse.Namespace) -> argparse.Namespace:
         raise SyncError(f"config {args.config}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise SyncError(f"config {args.config}: not JSON ({e})") from None
-    known = {"source", "dest", "endpoint_url", "region", "manifest", "aws", "credentials_file", "config_file"}
+    known = {
+        "source",
+        "dest",
+        "endpoint_url",
+        "region",
+        "manifest",
+        "manifest_sha256",
+        "aws",
+        "credentials_file",
+        "config_file",
+    }
     for key, value in conf.items():
         if key not in known:
             raise SyncError(f"config {args.config}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -488,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint-url", dest="endpoint_url")
     parser.add_argument("--region")
     parser.add_argument("--manifest", help="manifest name in the prefix (default MANIFEST.json)")
+    parser.add_argument(
+        "--manifest-sha256",
+        dest="manifest_sha256",
+        help="sha256 of the manifest file itself, pinned in the inventory; any other manifest is refused",
+    )
     parser.add_argument("--aws", help="awscli executable (default /usr/bin/aws)")
     parser.add_argument("--full", action="store_true", help="hash every local file, even unchanged ones")
     parser.add_argument("--dry-run", action="store_true", help="say what would be fetched; change nothing")
@@ -501,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SyncError(f"source {args.source!r}: must be an s3://bucket/prefix/ URI")
         if not args.dest or not os.path.isabs(args.dest) or len(Path(args.dest).parts) < 3:
             raise SyncError(f"dest {args.dest!r}: must be an absolute path at least two levels deep")
+        if not isinstance(args.manifest_sha256, str) or not HEX64.match(args.manifest_sha256):
+            raise SyncError(
+                f"manifest_sha256 {args.manifest_sha256!r}: must be the 64 lowercase hex digits of the "
+                f"manifest's sha256, pinned in the inventory (sha256sum MANIFEST.json)"
+            )
         return Syncer(args).run()
     except SyncError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

@@ -1,9 +1,12 @@
 """`dflash-train preflight CONFIG [--json] [--full]`: what a run needs, checked before any model loads.
 
 One line per check; each failure is ONE line that names the fix. Exit 1 on any failure (2 on bad usage).
+A tracker that cannot start is a warning, never a failure: training goes on without it.
 The unit runs it as ExecStartPre, so a broken machine fails the start in seconds, with the reason in the
 journal, instead of after the target has spent a minute loading. The model and the shards are compared with
-their manifests by size; `--full` reads and hashes every file (sha256, several files at once) as well.
+their manifests by size; `--full` reads and hashes every file (sha256, several files at once) as well. A
+manifest itself must have the sha256 that L4 pinned from the inventory (PINS_DIR): the manifest checks the
+data, the pin checks the manifest.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ from dflash_trainer.manifest import human_bytes
 
 GiB = 1 << 30
 PROVISION_L4 = "make provision TAGS=l4 (restages the model and re-syncs the shards)"
+# One JSON file per pinned directory ({"directory", "manifest", "sha256"}), written by L4 (roles/shard_sync
+# tasks/pin.yml) from the inventory's shard_sync_manifest_sha256 and model_stage_manifest_sha256.
+PINS_DIR = Path("/etc/dflash/manifest-pins")
+
+
+def pins_dir() -> Path:
+    """PINS_DIR, or $DFLASH_MANIFEST_PINS_DIR (tests, a trainer run outside the service)."""
+    return Path(os.environ.get("DFLASH_MANIFEST_PINS_DIR") or PINS_DIR)
 
 
 class Failed(Exception):
@@ -38,6 +49,14 @@ class Skipped(Exception):
     """Not applicable here (the reason is shown)."""
 
 
+class Warned(Exception):
+    """Something optional does not work (a tracker): shown as a warning, the run goes on without it."""
+
+    def __init__(self, detail: str, fix: str) -> None:
+        super().__init__(detail)
+        self.detail, self.fix = detail, fix
+
+
 @dataclass
 class Check:
     name: str
@@ -45,6 +64,7 @@ class Check:
     detail: str
     fix: str = ""
     skipped: bool = False
+    warned: bool = False
     seconds: float = 0.0
 
 
@@ -56,6 +76,7 @@ class Context:
     facts: dict = field(default_factory=dict)
     full: bool = False  # hash the model and the shards against their manifests, not only their sizes
     nnodes: int = 1  # several nodes (docs/pipeline.md): nproc is this node's share of [topology]'s ranks
+    pins_dir: Path = field(default_factory=pins_dir)
 
     def need_cfg(self) -> TrainConfig:
         if self.cfg is None:
@@ -97,6 +118,7 @@ def _require_manifested_dir(ctx: Context, path: Path, key: str, what: str):
 
     if not path.is_dir():
         raise Failed(f"{key} {path}: no such directory", PROVISION_L4)
+    _require_pinned_manifest(ctx, path, what)
     result = verify_manifest(path, full=ctx.full)
     if result.problems:
         problems = result.problems
@@ -106,6 +128,44 @@ def _require_manifested_dir(ctx: Context, path: Path, key: str, what: str):
         checked = "sha256 and sizes" if result.hashed else "sizes"
         raise Failed(f"{what} {path}: {problems[0]}{more} ({checked} compared)", fix)
     return result
+
+
+def load_pins(pins_dir: Path) -> dict[Path, tuple[str, str, Path]]:
+    """Pinned directory -> (manifest name, sha256, pin file); Failed naming a pin file that is not one."""
+    pins: dict[Path, tuple[str, str, Path]] = {}
+    for pin_file in sorted(pins_dir.glob("*.json")) if pins_dir.is_dir() else []:
+        try:
+            pin = json.loads(pin_file.read_text())
+            directory, name, digest = Path(pin["directory"]), str(pin["manifest"]), str(pin["sha256"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise Failed(f"{pin_file}: not a manifest pin ({type(e).__name__}: {e})", PROVISION_L4) from None
+        pins[directory.resolve()] = (name, digest, pin_file)
+    return pins
+
+
+def _require_pinned_manifest(ctx: Context, path: Path, what: str) -> None:
+    """A directory L4 pinned must hold the manifest with the pinned sha256 (else one failure naming both);
+    one it did not pin (a run outside the service) is said so in ctx.facts, not refused."""
+    from dflash_trainer.manifest import sha256_file
+
+    pin = load_pins(ctx.pins_dir).get(path.resolve())
+    if pin is None:
+        ctx.facts.setdefault("unpinned", []).append(what)
+        return
+    name, pinned, pin_file = pin
+    manifest = path / name
+    actual = sha256_file(manifest) if manifest.is_file() else "missing"
+    if actual != pinned:
+        raise Failed(
+            f"{what} {path}: {manifest} sha256 {actual} is not the pinned {pinned} ({pin_file})",
+            f"{PROVISION_L4}; re-pin the inventory's manifest_sha256 only if this manifest is yours",
+        )
+
+
+def _pinned(ctx: Context, what: str) -> str:
+    if what in ctx.facts.get("unpinned", []):
+        return f"manifest not pinned (no pin in {ctx.pins_dir})"
+    return "manifest sha256 as pinned"
 
 
 def check_model(ctx: Context) -> str:
@@ -126,7 +186,7 @@ def check_model(ctx: Context) -> str:
         f"{path}: {info.num_layers} layers, hidden {info.hidden_size}, "
         f"{human_bytes(ctx.facts['model_bytes'])}"
         + (", hybrid (linear attention)" if ctx.facts["hybrid"] else "")
-        + f"; manifest matched: {checked.compared}"
+        + f"; manifest matched: {checked.compared}; {_pinned(ctx, 'model')}"
     )
 
 
@@ -147,7 +207,9 @@ def check_shards(ctx: Context) -> str:
             pa.ipc.open_file(pa.memory_map(str(shard), "r"))
         except (pa.ArrowInvalid, OSError) as e:
             raise Failed(f"shard {shard}: not a complete Arrow IPC file ({e})", PROVISION_L4) from None
-    return f"{path}: {len(shards)} shards open; manifest matched: {checked.compared}"
+    return (
+        f"{path}: {len(shards)} shards open; manifest matched: {checked.compared}; {_pinned(ctx, 'shards')}"
+    )
 
 
 def drafter_param_count(cfg: TrainConfig) -> int:
@@ -503,45 +565,62 @@ def check_triton(ctx: Context) -> str:
 
 
 def check_trackers(ctx: Context) -> str:
+    """Each configured tracker imports, has the API the code calls and starts offline; a tracker that does not
+    is a warning (Warned), never a failure: at run time it warns once and training goes on without it."""
+    cfg = ctx.need_cfg()
     from dflash_trainer.service import trackers
 
-    cfg = ctx.need_cfg()
     names = trackers.configured(cfg)
-    problems = trackers.wandb_settings_problems(cfg, os.environ)
-    if problems:
-        raise Failed(problems[0], f"edit {ctx.config_path} [trackers] or /etc/dflash/secrets.env")
     if not names:
         return "none configured"
+    problems: list[tuple[str, str]] = []
+    settings = trackers.wandb_settings_problems(cfg, os.environ)
+    if settings:
+        problems.append((settings[0], f"edit {ctx.config_path} [trackers] or /etc/dflash/secrets.env"))
     done = []
     for name in names:
-        try:
-            __import__("wandb" if name == "wandb" else "torch.utils.tensorboard")
-        except ImportError as e:
-            raise Failed(
-                f"tracker {name} does not import: {e}",
-                "reinstall the trainer lock (L3), or remove it from [trackers]",
-            ) from None
-        api = trackers.check_api(trackers.WANDB_NEEDS if name == "wandb" else trackers.TENSORBOARD_NEEDS)
-        if api:
-            raise Failed(
-                f"tracker {name} API mismatch: {api[0]}",
-                "pin the tracker version the trainer lock names (L3)",
-            )
-        with tempfile.TemporaryDirectory(prefix=f"preflight-{name}-") as scratch:
-            try:
-                trackers.try_offline(cfg, name, Path(scratch))
-            except trackers.TrackerError as e:
-                raise Failed(
-                    f"tracker {name}: {e}",
-                    f"make that directory creatable, or change it in {ctx.config_path} [trackers]",
-                ) from None
-            except Exception as e:
-                raise Failed(
-                    f"tracker {name} did not start offline: {type(e).__name__}: {e}",
-                    f"fix [trackers] in {ctx.config_path}",
-                ) from None
-        done.append(name)
+        if name == "wandb" and settings:
+            continue
+        problem = _tracker_problem(ctx, cfg, name)
+        if problem is None:
+            done.append(name)
+        else:
+            problems.append(problem)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        off = ", ".join(n for n in names if n not in done)
+        raise Warned(f"{problems[0][0]}{more}; training goes on without {off}", problems[0][1])
     return f"{', '.join(done)}: import, API and an offline start OK"
+
+
+def _tracker_problem(ctx: Context, cfg: TrainConfig, name: str) -> tuple[str, str] | None:
+    """(what is wrong, the fix) of one tracker, or None when it imports, matches and starts offline."""
+    from dflash_trainer.service import trackers
+
+    try:
+        __import__("wandb" if name == "wandb" else "torch.utils.tensorboard")
+    except ImportError as e:
+        return (
+            f"tracker {name} does not import: {e}",
+            "reinstall the trainer lock (L3), or remove it from [trackers]",
+        )
+    api = trackers.check_api(trackers.WANDB_NEEDS if name == "wandb" else trackers.TENSORBOARD_NEEDS)
+    if api:
+        return f"tracker {name} API mismatch: {api[0]}", "pin the tracker version the trainer lock names (L3)"
+    with tempfile.TemporaryDirectory(prefix=f"preflight-{name}-") as scratch:
+        try:
+            trackers.try_offline(cfg, name, Path(scratch))
+        except trackers.TrackerError as e:
+            return (
+                f"tracker {name}: {e}",
+                f"make that directory creatable, or change it in {ctx.config_path} [trackers]",
+            )
+        except Exception as e:
+            return (
+                f"tracker {name} did not start offline: {type(e).__name__}: {e}",
+                f"fix [trackers] in {ctx.config_path}",
+            )
+    return None
 
 
 def _mask_token_check(ctx: Context) -> str:
@@ -580,6 +659,8 @@ def run_checks(
             check = Check(name, False, e.detail, e.fix)
         except Skipped as e:
             check = Check(name, True, str(e), skipped=True)
+        except Warned as e:
+            check = Check(name, True, e.detail, e.fix, warned=True)
         except Exception as e:
             check = Check(name, False, f"{type(e).__name__}: {e}", "report this preflight crash")
         check.seconds = time.perf_counter() - start
@@ -590,6 +671,8 @@ def run_checks(
 def format_line(c: Check) -> str:
     if not c.ok:
         return f"FAIL {c.name}: {c.detail} -- fix: {c.fix}"
+    if c.warned:
+        return f"warn {c.name}: {c.detail} -- fix: {c.fix}"
     return f"{'skip' if c.skipped else 'ok  '} {c.name}: {c.detail}"
 
 
@@ -625,6 +708,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in checks:
             print(format_line(c), file=sys.stdout if c.ok else sys.stderr, flush=True)
         failed = [c.name for c in checks if not c.ok]
-        summary = f"preflight {'passed' if ok else 'FAILED (' + ', '.join(failed) + ')'} in {elapsed:.1f} s"
+        warned = [c.name for c in checks if c.warned]
+        verdict = "passed" if ok else "FAILED (" + ", ".join(failed) + ")"
+        if warned:
+            verdict += f" with warnings ({', '.join(warned)})"
+        summary = f"preflight {verdict} in {elapsed:.1f} s"
         print(summary, file=sys.stdout if ok else sys.stderr, flush=True)
     return 0 if ok else 1
