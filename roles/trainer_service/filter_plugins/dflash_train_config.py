@@ -8,14 +8,15 @@ rank-count mismatch before it touches a host:
 - ranks(tables): targets + drafters of [topology], the one source of the unit's process count.
 - rank_problems(tables, ct_gpus, nproc): the mismatches of [topology], the CT's GPUs and a stale
   trainer_service_nproc, each naming the three values.
-- to_toml(tables): TOML text (strings quoted, lists inline).
+- to_toml(tables): TOML text (tomli-w: tables at any depth, strings quoted, lists inline).
 """
 
 from __future__ import annotations
 
-import json
 import tomllib
 from typing import Any
+
+import tomli_w
 
 
 def merge(reference_text: str, *overrides: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -83,22 +84,10 @@ def rank_problems(
     return problems
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
-
-
 def to_toml(tables: dict[str, dict[str, Any]]) -> str:
-    out = []
-    for name, keys in tables.items():
-        out.append(f"\n[{name}]")
-        out.extend(f"{key} = {_value(value)}" for key, value in keys.items())
-    return "\n".join(out).lstrip("\n") + "\n"
+    # tomli-w is in requirements/tools.lock (Ansible's venv); the trainer package, which wraps the same
+    # call, is not installed there.
+    return tomli_w.dumps(tables)
 
 
 class FilterModule:

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from dflash_trainer import __version__
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.data.shards import DataError
@@ -27,19 +29,8 @@ class UserError(Exception):
 # ---- config show ----
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value)  # ints, floats and strings print the same in TOML
-
-
 def to_toml(config: dict[str, dict[str, Any]]) -> str:
-    return "\n".join(
-        f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
-        for section, table in config.items()
-    )
+    return tomli_w.dumps(config)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -24,35 +23,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 PATH_KEYS = {
     ("model", "target_path"),
     ("data", "shards"),
     ("train", "checkpoint_dir"),
     ("trackers", "tensorboard"),
 }
-_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
 
 
 def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
-    out = []
-    for name, table in tables.items():
-        out.append(f"[{name}]")
-        for key, value in table.items():
-            out.append(f"{key if _BARE.match(key) else json.dumps(key)} = {_toml_value(value)}")
-        out.append("")
-    return "\n".join(out)
+    return tomli_w.dumps(tables)
 
 
 def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int | None = None) -> Path:
