@@ -55,8 +55,14 @@ def test_l0_pin_of_the_running_kernel_is_what_boots(pve_host):
     loader must follow (on managed ESPs only `refresh` writes the pin into loader.conf)."""
     pve_host.pin(OLD)
     running = running_kernel()
-    run("ansible/l0_host.yml")
+    out = run("ansible/l0_host.yml")
     assert pve_host.boot() == running, pve_host.calls()
+    # The lab pins a kernel that does not run: on GRUB on LVM L0 says that its trial will be refused.
+    assert ("L1 will refuse its trial boot: /boot/grub is on lvm" in out) == (pve_host.mode == "grub-lvm"), (
+        out[-2000:]
+    )
+    # bootctl's package comes with L0 on systemd-boot hosts, before any trial needs it.
+    assert pve_host.bootctl_installed() == (pve_host.mode == "systemd-boot")
 
 
 def test_commit_pin_is_what_boots(pve_host):
