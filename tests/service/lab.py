@@ -129,7 +129,10 @@ def stage_data() -> None:
         subprocess.run(["rsync", "-a", "--delete", f"{src / part}/", f"{dest / part}/"], check=True)
     uid, gid = ct_root_ids()
     os.chown(dest, uid, gid)  # not -R: the trainer's state directory beside them is the trainer user's
-    subprocess.run(["chown", "-R", f"{uid}:{gid}", str(dest / "model"), str(dest / "shards")], check=True)
+    parts = [str(dest / "model"), str(dest / "shards")]
+    subprocess.run(["chown", "-R", f"{uid}:{gid}", *parts], check=True)
+    # Readable by the trainer's user, as L4 leaves the staged model and the shards (0644).
+    subprocess.run(["chmod", "-R", "a+rX", *parts], check=True)
 
 
 def converge(*extra: str) -> None:
