@@ -222,20 +222,56 @@ def drafter_param_count(cfg: TrainConfig) -> int:
     return d.num_layers * per_layer + k * h * h + 2 * h
 
 
+# The uid a file system shows for an owner the process's user namespace does not map: host root's directory
+# seen from an unprivileged CT (whose own root is host uid 100000).
+OVERFLOW_UID = 65534
+
+
+def _nearest_existing(directory: Path) -> Path:
+    """The directory, or the parent the trainer will make it in."""
+    return directory if directory.exists() else next((p for p in directory.parents if p.exists()), Path("/"))
+
+
+def check_checkpoint_dir(ctx: Context) -> str:
+    """Create and remove a file where the checkpoints go. Only a write tells: on a shared storage bound into
+    an unprivileged CT, host root's directory is nobody's inside, and a read-only mount refuses even root."""
+    directory = Path(ctx.need_cfg().train.checkpoint_dir)
+    where = _nearest_existing(directory)
+    uid = os.geteuid()
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dflash-preflight-", dir=where)
+    except OSError as e:
+        ctx.facts["checkpoint_dir_writable"] = False
+        st = where.stat()
+        owner = f"owner uid {st.st_uid}"
+        if st.st_uid == OVERFLOW_UID:
+            owner += " (an owner this CT does not map, e.g. host root's directory in an unprivileged CT)"
+        mode = f"gid {st.st_gid}, mode {st.st_mode & 0o7777:04o}"
+        raise Failed(
+            f"train.checkpoint_dir {directory}: cannot create a file in {where} ({e.strerror}): {owner}, "
+            f"{mode}; the trainer runs as uid {uid}",
+            f"make {where} writable for uid {uid}: for a mount point of an unprivileged CT give it "
+            f"ct_uid: {uid} in ct_mount_points (L2 chowns the host side to 100000 + that uid; "
+            "docs/multi-host.md) or chown it on the host or NFS server; a read-only mount must be made rw",
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+    ctx.facts["checkpoint_dir_writable"] = True
+    return f"{where}: uid {uid} created and removed a file there"
+
+
 def check_disk(ctx: Context) -> str:
     cfg = ctx.need_cfg()
     directory = Path(cfg.train.checkpoint_dir)
     if "target" not in ctx.facts:
         raise Skipped("needs the model check")
+    if not ctx.facts.get("checkpoint_dir_writable", True):
+        raise Skipped("needs a writable checkpoint directory (checkpoint-dir)")
     params = drafter_param_count(cfg)
     # fp32 weights + two AdamW moments (state.pt) + the fp32 EMA (ema.pt); keep_last + 1 exist during a save.
     per_ckpt = params * 16
     need = per_ckpt * (cfg.train.keep_last + 1)
-    probe = directory if directory.exists() else next((p for p in directory.parents if p.exists()), Path("/"))
-    if not os.access(probe, os.W_OK):
-        raise Failed(
-            f"train.checkpoint_dir {directory}: {probe} is not writable", f"fix the permissions of {probe}"
-        )
+    probe = _nearest_existing(directory)
     free = shutil.disk_usage(probe).free
     ctx.facts["checkpoint_bytes"] = per_ckpt
     count = cfg.train.keep_last + 1
@@ -636,6 +672,7 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("shards", check_shards),
     ("devices", check_devices),
     ("host-memory", check_host_memory),
+    ("checkpoint-dir", check_checkpoint_dir),
     ("disk", check_disk),
     ("shm", check_shm),
     ("memlock", check_memlock),
