@@ -26,6 +26,7 @@ PINS=${IMAGE_PINS:-$REPO/image/packages.txt}
 STORAGE=${IMAGE_STORAGE:-local}
 PY=/usr/bin/python3   # Debian's, the image's Python: not whatever python3 comes first on PATH
 ANSIBLE_PLAYBOOK=$REPO/.venv/bin/ansible-playbook  # renders the units from the roles' templates (make bootstrap)
+TOOLS_PY=$REPO/.venv/bin/python  # builds the trainer wheel with the setuptools of requirements/tools.lock
 ZSTD_LEVEL=${IMAGE_ZSTD_LEVEL:-3}  # -9 took 9 of 17 minutes on a loaded machine for 8% less
 KEEP=${IMAGE_KEEP:-2}  # archives of each variant left in OUT_DIR (one per commit built: 0.7 GB cpu, 2.8 GB cuda)
 BUDGET_S=600          # a cpu build with warm caches on 2 cores
@@ -177,13 +178,12 @@ hash_mismatch() {  # hash_mismatch PIP_STDERR: "NAME==VERSION (expected H, got H
     "$1" | paste -sd ';' -
 }
 
-trainer_wheel() {  # from a copy of trainer/, so the build writes nothing into the source tree
-  mkdir -p "$TMP/trainer-src" "$TMP/dist"
-  cp "$REPO/trainer/pyproject.toml" "$TMP/trainer-src/"
-  tar -C "$REPO/trainer" --exclude='*.egg-info' --exclude=__pycache__ -cf - src | tar -C "$TMP/trainer-src" -xf -
-  "$PY" -m pip wheel --quiet --no-deps --wheel-dir "$TMP/dist" "$TMP/trainer-src" \
-    || die "could not build the trainer wheel from trainer/"
-  compgen -G "$TMP/dist/dflash_trainer-*.whl" >/dev/null || die "pip wheel wrote no dflash_trainer wheel"
+# The same reproducible build as L3's (roles/ct_environment/files/pack_trainer.py): offline, no build isolation,
+# the tools venv's hashed setuptools; it writes trainer-wheel.lock (the wheel's sha256) that the hook installs by.
+trainer_wheel() {
+  "$TOOLS_PY" "$REPO/roles/ct_environment/files/pack_trainer.py" "$REPO/trainer" "$TMP/dist" \
+    || die "could not build the trainer wheel from trainer/ (pack_trainer.py, above)"
+  compgen -G "$TMP/dist/dflash_trainer-*.whl" >/dev/null || die "pack_trainer.py wrote no dflash_trainer wheel"
 }
 
 units() {  # the roles' unit files and the tools they run, rendered with the roles' defaults (image/units.yml)
@@ -220,6 +220,7 @@ rootfs() {  # mmdebstrap, the customize hook, and zstd into the .partial file
   local wheel
   wheel=$(compgen -G "$TMP/dist/dflash_trainer-*.whl" | head -n1)
   IMAGE_WHEELHOUSE=$CACHE/wheels/$VARIANT IMAGE_LOCK=$LOCK IMAGE_PINS=$PINS IMAGE_TRAINER_WHEEL_PATH=$wheel \
+  IMAGE_TRAINER_WHEEL_LOCK=$TMP/dist/trainer-wheel.lock \
   IMAGE_REPO=$REPO IMAGE_NAME=$NAME IMAGE_VARIANT=$VARIANT IMAGE_VERSION=$VERSION IMAGE_COMMIT=$(commit) \
   IMAGE_SUITE=$SUITE IMAGE_LOCK_SHA256=$(sha256sum "$LOCK" | cut -d' ' -f1) \
   IMAGE_PINS_SHA256=$(sha256sum "$PINS" | cut -d' ' -f1) IMAGE_TRAINER_VERSION=$(trainer_version) \
@@ -295,6 +296,7 @@ preflight() {
     command -v "$tool" >/dev/null || die "$tool is missing: run 'make bootstrap' (or apt-get install $tool)"
   done
   [ -x "$ANSIBLE_PLAYBOOK" ] || die "$ANSIBLE_PLAYBOOK is missing (it renders the units): run 'make bootstrap'"
+  [ -x "$TOOLS_PY" ] || die "$TOOLS_PY is missing (it builds the trainer wheel): run 'make bootstrap'"
   [ -r "$LOCK" ] || die "no lock at $LOCK"
   [ -r "$PACKAGES_IN" ] || die "no package list at $PACKAGES_IN"
   mkdir -p "$OUT_DIR" "$CACHE"

@@ -3,7 +3,7 @@
 # after apt installed the Debian packages. Its inputs come from image/build.sh through IMAGE_* variables.
 #   1. the installed Debian set must equal image/packages.txt (pins drift when the mirror moves on);
 #   2. the trainer venv at /opt/dflash/venv from the lock, offline, from the build's wheelhouse, every file checked
-#      against the lock's sha256 (--require-hashes);
+#      against the lock's sha256 (--require-hashes); the trainer wheel likewise, by its build's hash lock;
 #   3. the units of the CT's services (image/units.yml renders them from the roles) and the tools they run;
 #   4. /etc/dflash/image.json; files that differ between build machines are removed.
 # shellcheck disable=SC2016  # hook strings and dpkg-query formats are expanded later, by design
@@ -11,7 +11,7 @@ set -euo pipefail
 
 ROOT=${1:?usage: customize.sh ROOTDIR}
 : "${IMAGE_TRAINER_VERSION:?}" "${IMAGE_WHEELHOUSE:?}" "${IMAGE_LOCK:?}" "${IMAGE_PINS:?}" "${IMAGE_TRAINER_WHEEL_PATH:?}" "${IMAGE_REPO:?}"
-: "${IMAGE_UNITS_DIR:?}"
+: "${IMAGE_UNITS_DIR:?}" "${IMAGE_TRAINER_WHEEL_LOCK:?}"
 STAGE=/tmp/dflash-build  # inside the chroot; mmdebstrap empties /tmp at the end
 # The L3 role's layout (roles/ct_environment/tasks/venv.yml): one venv per lock under venvs/, stamped complete
 # with the lock's sha256, and the stable path a link to it. The role then finds this venv complete and keeps it.
@@ -43,7 +43,8 @@ unmount_wheels() { mountpoint -q "$ROOT$STAGE/wheels" && umount "$ROOT$STAGE/whe
 install_venv() {
   mkdir -p "$ROOT$STAGE/wheels"
   cp "$IMAGE_LOCK" "$ROOT$STAGE/requirements.lock"
-  cp "$IMAGE_TRAINER_WHEEL_PATH" "$ROOT$STAGE/"
+  mkdir -p "$ROOT$STAGE/trainer-wheel"
+  cp "$IMAGE_TRAINER_WHEEL_PATH" "$IMAGE_TRAINER_WHEEL_LOCK" "$ROOT$STAGE/trainer-wheel/"
   cp "$IMAGE_REPO/image/manifest.py" "$ROOT$STAGE/manifest.py"
   # Read-only bind mount: nothing the chroot does (or a failed cleanup) can touch the warm wheelhouse.
   mount --bind "$IMAGE_WHEELHOUSE" "$ROOT$STAGE/wheels"
@@ -56,9 +57,10 @@ install_venv() {
   # compiled again (seen in the lab 2026-12-01). Hash-checked bytecode stays valid, and compiles on both cores.
   in_chroot "$VENV/bin/python" -m pip install -q --no-compile --no-index --find-links "$STAGE/wheels" --require-hashes \
     --requirement "$STAGE/requirements.lock" || die "pip could not install the lock from the wheelhouse"
-  # By name from a find-links directory, not by path: pip freeze then says dflash-trainer==VERSION.
-  in_chroot "$VENV/bin/python" -m pip install -q --no-compile --no-index --no-deps --find-links "$STAGE" \
-    "dflash-trainer==$IMAGE_TRAINER_VERSION" || die "pip could not install the trainer wheel"
+  # The wheel of the build's hash lock (pack_trainer.py), and only it: no index, no dependencies, its sha256.
+  in_chroot "$VENV/bin/python" -m pip install -q --no-compile --no-index --no-deps --require-hashes \
+    --find-links "$STAGE/trainer-wheel" --requirement "$STAGE/trainer-wheel/trainer-wheel.lock" \
+    || die "pip could not install the trainer wheel of $(basename "$IMAGE_TRAINER_WHEEL_LOCK")"
   in_chroot "$VENV/bin/python" -m pip check >&2 || die "the venv's dependencies are inconsistent (pip check)"
   # Its exit status is 1 whenever one file does not compile, and some wheels ship such files on purpose
   # (torch's py312_intrinsics.py on 3.11; pip skips them too). L3's verify checks the bytecode is there and
@@ -67,6 +69,8 @@ install_venv() {
   unmount_wheels
   trap - EXIT
   echo "$IMAGE_LOCK_SHA256" >"$ROOT$VENV/.dflash-lock.sha256"
+  # L3's stamp of the installed trainer build: the role's build of the same sources has the same sha256.
+  sha256sum "$IMAGE_TRAINER_WHEEL_PATH" | cut -d' ' -f1 >"$ROOT$VENV/.dflash-trainer.sha256"
   ln -sfn "$VENV" "$ROOT$VENV_LINK"
   ln -sfn "$VENV_LINK/bin/dflash-train" "$ROOT/usr/local/bin/dflash-train"
 }
