@@ -20,6 +20,8 @@ TRAINER_TEST_LOCK="$ROOT/requirements/trainer-test.lock"
 # Test-only clients installed without their dependencies (their runtime needs are in the trainer lock).
 NODEPS_LOCK="$ROOT/requirements/test-clients.lock"
 PIP_LOCK="$ROOT/requirements/pip.lock"  # the pip each venv is upgraded to first
+# The Ansible collections the roles use; they come with the tools lock's ansible package, checked, not installed.
+COLLECTIONS="$ROOT/ansible/requirements.yml"
 
 # lxc + python3-lxc: the lab's containers and Ansible's community.general.lxc connection.
 # mmdebstrap + keyring: root filesystems for the lab and the CT image. dkms + build tools: the L1 driver build.
@@ -39,7 +41,7 @@ beat() {  # beat WHAT CMD...: runs CMD; while it runs, a line every 10 s says so
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs Debian packages and manages LXC containers)"
 command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH; install python3 first"
-for lock in "$TOOLS_LOCK" "$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK"; do [ -r "$lock" ] || die "missing lock file $lock"; done
+for lock in "$TOOLS_LOCK" "$TRAINER_LOCK" "$TRAINER_TEST_LOCK" "$NODEPS_LOCK" "$PIP_LOCK" "$COLLECTIONS"; do [ -r "$lock" ] || die "missing input file $lock"; done
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -73,7 +75,7 @@ new_venv() {
 }
 
 build_tools_venv() {  # the operator's tooling: ansible, molecule, testinfra, awscli
-  if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"; then
+  if ! venv_current "$VENV" "$TOOLS_LOCK" "$PIP_LOCK" "$COLLECTIONS"; then
     new_venv "$VENV"
     beat "pip install $TOOLS_LOCK" pip_install "$VENV" --require-hashes --requirement="$TOOLS_LOCK" \
       || die "pip could not install $TOOLS_LOCK into $VENV"
@@ -85,7 +87,10 @@ build_tools_venv() {  # the operator's tooling: ansible, molecule, testinfra, aw
       ln -sfn "$f" "$site/$(basename "$f")"
     done
     "$VENV/bin/python" -c 'import lxc' || die "the lxc binding does not import in $VENV"
-    stamp_venv "$VENV" "$TOOLS_LOCK" "$PIP_LOCK"
+    # Its own line names each collection that is missing or at another version than requirements.yml says.
+    ANSIBLE_CONFIG="$ROOT/ansible/ansible.cfg" "$VENV/bin/python" "$ROOT/scripts/check_collections.py" "$COLLECTIONS" \
+      || die "the Ansible collections in $VENV do not satisfy $COLLECTIONS (the lines above name them)"
+    stamp_venv "$VENV" "$TOOLS_LOCK" "$PIP_LOCK" "$COLLECTIONS"
     echo "bootstrap: $VENV ready"
   fi
 }
@@ -100,8 +105,11 @@ build_trainer_venv() {  # exactly what CT 200 runs, plus the test clients
       || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
     pip_install "$TRAINER_VENV" --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
       || die "pip could not install $NODEPS_LOCK"
-    # The trainer itself from this tree: an editable install has no file to hash.
-    pip_q "$TRAINER_VENV" install --no-deps -e "$ROOT/trainer" || die "pip could not install the trainer from $ROOT/trainer"
+    # The trainer itself from this tree, editable (the tests run the tree; tests/service reads its .pth), so it
+    # has no file to hash: built offline by the setuptools the trainer lock just installed with its hash, with no
+    # build isolation (which would fetch an unchecked setuptools). L3 and the image install a hashed wheel.
+    pip_q "$TRAINER_VENV" install --no-deps --no-index --no-build-isolation -e "$ROOT/trainer" \
+      || die "pip could not install the trainer from $ROOT/trainer"
     stamp_venv "$TRAINER_VENV" "${trainer_inputs[@]}"
     echo "bootstrap: $TRAINER_VENV ready"
   fi
