@@ -191,7 +191,7 @@ def test_a_job_interface_l2_does_not_create_is_refused_before_any_api_call(pve, 
     missing = play2(job_cts(), groups={"training_job": ["ct-a", "ct-b"]}, **JOB)
     assert missing.rc != 0
     error = missing.error()
-    assert "training_job_socket_ifname eth1 is not an interface L2 creates (eth0)" in error, error
+    assert "training_job_socket_ifname eth1 is not an interface L2 creates (lo, eth0)" in error, error
     assert "add {name: eth1, bridge: BRIDGE, ip: 10.30.0.2" in error and "to ct_extra_netifs" in error
     assert pve.cts == []
     wrong = play2(
@@ -202,6 +202,14 @@ def test_a_job_interface_l2_does_not_create_is_refused_before_any_api_call(pve, 
     assert wrong.rc != 0
     assert "given ip=10.30.0.99/24 in ct_extra_netifs, not training_job_address 10.30.0.21" in wrong.error()
     assert pve.ct(200) is None  # ct-a stopped in its preflight (ct-b, right, went on)
+    # lo is in every CT (the lab's two CTs, on one machine's network, run their job over it).
+    loopback = play2(
+        job_cts(),
+        groups={"training_job": ["ct-a", "ct-b"]},
+        training_job_socket_ifname="lo",
+        tags="preflight",
+    )
+    assert loopback.rc == 0, loopback.error()
 
 
 def as_ct_root(directory: Path, base: int = 100000) -> subprocess.CompletedProcess[str]:
