@@ -17,6 +17,11 @@ host does (each with the upstream source it imitates):
 - host_shutdown(node) is what pve-guests.service does when the host shuts down or reboots (pve-manager
   PVE/API2/Nodes.pm stopall): each running guest gets a clean shutdown with its `startup: down=` timeout,
   180 s when unset, and is stopped hard after it (force-stop defaults to 1).
+- API tasks take time (the daemon and the tests run with LAB_TIME_SCALE, not fakepve's instant 0). A create
+  lasts as long as unpacking its template does (create_secs). A shutdown that outlives its timeout (PVE's
+  default 60 s) without forceStop fails "container did not stop" while the CT goes on stopping and ends
+  stopped; with forceStop, and in a reboot, the CT is killed at the timeout (_ct_powerdown).
+- The task list shows finished tasks only unless `source` says active or all, as PVE's does (_task_list).
 """
 
 from __future__ import annotations
@@ -28,11 +33,21 @@ import sys
 from pathlib import Path
 
 import fakepve.__main__ as fakepve_cli
-from fakepve.model import PveError
+from fakepve.model import PveError, TaskError
 from fakepve.routing import die, split_list
-from fakepve.server import USER, FakePve, ok
+from fakepve.server import USER, FakePve, ok, params
 
 UPLOAD_MAX_BYTES = 16 * 1024**3  # the cuda image is several GB
+# Real seconds per PVE second of every task: a 120 s create takes 6 s, a 60 s shutdown timeout 3 s, so the
+# roles wait on tasks that are still running, as on a host, and the tests stay fast.
+LAB_TIME_SCALE = 0.05
+# A create unpacks the template (pve-container src/PVE/LXC/Create.pm restore_archive: tar --zstd under
+# lxc-usernsexec for an unprivileged CT) onto a fresh ext4 on LVM-thin. A zstd CT template is about a third
+# of its unpacked size, and tar writing many small files (CUDA and torch libraries) to a thin volume runs at
+# 100-200 MB/s: a 6 GB cuda template (about 18 GB unpacked) takes about 2 minutes. 20 PVE s per GB of
+# template, plus the volume's allocation and mkfs.
+CREATE_S_PER_GB = 20
+CREATE_BASE_S = 5
 # pve-manager PVE/API2/Nodes.pm stopall: $d->{down} // $param->{timeout} // 180
 STOPALL_DEFAULT_TIMEOUT_S = 180
 SAVE_EVERY_S = 0.5
@@ -51,6 +66,11 @@ def pve_description(value: str) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def create_secs(template_bytes: int) -> float:
+    """PVE seconds a create from a template of this size takes (CREATE_S_PER_GB)."""
+    return CREATE_BASE_S + CREATE_S_PER_GB * template_bytes / 1024**3
+
+
 def startup_down(startup: str | None) -> int | None:
     """The down= of a `startup` value (pve-startup-order: order=N,up=N,down=N), or None."""
     for part in str(startup or "").split(","):
@@ -67,6 +87,7 @@ class LabFakePve(FakePve):
         super().__init__(*args, **kwargs)
         self.client_max_size = UPLOAD_MAX_BYTES
         self._saved = ""
+        self._background: set[asyncio.Future] = set()
         if self.state_path is not None and self.state_path.exists():
             self.restore_state(json.loads(self.state_path.read_text()))
 
@@ -142,6 +163,69 @@ class LabFakePve(FakePve):
             else:
                 del data["description"]
         return data
+
+    async def _lxc_create(self, user, v):
+        """A create takes as long as unpacking its template does (create_secs of the volume's size)."""
+        sid, _, volname = str(v.get("ostemplate", "")).partition(":")
+        volume = self._find_volume(sid, volname) if sid in self.storages else None
+        self.ct_secs["create"] = create_secs(int((volume or {}).get("size") or 0))
+        return await super()._lxc_create(user, v)
+
+    async def _ct_powerdown(self, ct, timeout, force):
+        """pve-container src/PVE/LXC.pm vm_stop: `lxc-stop --timeout T`, with `--nokill` unless forceStop
+        (vm_shutdown's forceStop; vm_reboot always kills). lxc-stop has asked the CT's init to halt, and it
+        goes on halting after lxc-stop gave up: without forceStop the task fails "container did not stop" and
+        the CT stops when its own shutdown ends (ct.shutdown_secs); with it the CT is killed at the timeout.
+        ct.stop_kind says which: 'clean' or 'killed' (a trainer's checkpoint save cut short)."""
+        if ct.shutdown_secs <= timeout:
+            await self.pause(ct.shutdown_secs)
+            ct.stop_kind = "clean"
+        elif force:
+            await self.pause(timeout)
+            ct.stop_kind = "killed"
+        else:
+            await self.pause(timeout)
+            pid = ct.pid
+
+            async def halting() -> None:
+                await self.pause(ct.shutdown_secs - timeout)
+                if ct.pid == pid and ct.status == "running":
+                    ct.status, ct.pid, ct.stop_kind = "stopped", None, "clean"
+
+            if self.time_scale:
+                task = asyncio.ensure_future(halting())
+                self._background.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._background.discard)
+            else:
+                await halting()
+            raise TaskError("container did not stop")
+        ct.status, ct.pid = "stopped", None
+
+    async def _task_list(self, request):
+        """pve-manager PVE/API2/Tasks.pm node_tasks: `source` archive (the default) lists finished tasks only,
+        active the running ones (status RUNNING), all both; typefilter keeps one task type. (fakepve lists
+        running tasks by default, which a client that forgets source=active would rely on.)"""
+        node, user = request.match_info["node"], request[USER]
+        p = self._verify(request, await params(request))
+        source = p.get("source") or "archive"
+        audit = self.allowed(user, "/nodes/" + node, "Sys.Audit")
+        data = []
+        for task in self.tasklog:
+            running = task["status"] == "running"
+            if (
+                task["node"] != node
+                or not (audit or self._task_owner(user, task))
+                or (p.get("vmid") is not None and task["id"] != str(p["vmid"]))
+                or (p.get("typefilter") and task["type"] != p["typefilter"])
+                or (source == "archive" and running)
+                or (source == "active" and not running)
+            ):
+                continue
+            view = self._task_view(task, True)
+            data.append(view | {"status": "RUNNING"} if running else view)
+        data.sort(key=lambda t: -t["starttime"])
+        start = p.get("start", 0)
+        return ok(data[start : start + p.get("limit", 50)])
 
     def host_shutdown(self, node: str = "pve1") -> dict[int, str]:
         """pve-guests.service stopping every running CT of node: 'clean' when the CT's own shutdown took no

@@ -85,8 +85,9 @@ def fakepve(settings: LabSettings) -> Daemon:
             settings.fakepve_host,
             "--port",
             str(settings.fakepve_port),
+            # Tasks take time as on a host (lab/fakepve_daemon.py LAB_TIME_SCALE): a 120 s create takes 6 s.
             "--time-scale",
-            "0",
+            "0.05",
         ],
         host=settings.fakepve_host,
         port=settings.fakepve_port,

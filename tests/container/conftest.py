@@ -20,7 +20,7 @@ from typing import Any
 import fakepve.pytest_plugin as fakepve_plugin
 import pytest
 
-from lab.fakepve_daemon import LabFakePve
+from lab.fakepve_daemon import LAB_TIME_SCALE, LabFakePve
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -45,18 +45,26 @@ class Run:
 
     def error(self) -> str:
         """The first failure message of the run, its wrapped lines joined."""
-        found = re.search(
-            r"(?:fatal|failed): \[[^\]]+\][^\n]*\n(?:.*\n)*?\s*msg: (.*(?:\n {6,}\S.*)*)", self.out
-        )
-        return " ".join(found.group(1).split()).strip("'\" ") if found else self.out[-2000:]
+        found = FAILURE.search(self.out)
+        if found:
+            return " ".join(found.group(1).split()).strip("'\" ")
+        # A no_log task's result is censored; Ansible's error line still carries the module's msg.
+        module = re.search(r"\[ERROR\]: Task failed: Module failed: (.*)", self.out)
+        return module.group(1).strip() if module else self.out[-2000:]
 
 
 @pytest.fixture
 def fakepve(request, _fakepve_pki, monkeypatch):
     """The plugin's fakepve fixture, served by the lab's LabFakePve (lab/fakepve_daemon.py): it answers a CT's
-    description and a host shutdown as a real PVE host does, so the tests see what the lab's daemon shows."""
+    description and a host shutdown as a real PVE host does, so the tests see what the lab's daemon shows.
+    Its tasks take time as the lab daemon's do (LAB_TIME_SCALE), unless a `fakepve(time_scale=...)` marker
+    says otherwise."""
     monkeypatch.setattr(fakepve_plugin, "FakePve", LabFakePve)
-    serving = fakepve_plugin._serve(fakepve_plugin._options(request), _fakepve_pki)
+    marker = request.node.get_closest_marker("fakepve")
+    options = fakepve_plugin._options(request)
+    if marker is None or "time_scale" not in marker.kwargs:
+        options["time_scale"] = LAB_TIME_SCALE
+    serving = fakepve_plugin._serve(options, _fakepve_pki)
     try:
         yield serving.pve
     finally:
@@ -130,9 +138,10 @@ def lab(tmp_path: Path, pve) -> dict[str, Any]:
 
 @pytest.fixture
 def play(tmp_path: Path, lab: dict[str, Any], pve):
-    """play(**overrides) runs ansible/l2_container.yml against the fake; returns Run."""
+    """play(*args, **overrides) runs ansible/l2_container.yml against the fake, args added to
+    ansible-playbook's (e.g. --check); returns Run."""
 
-    def run(**overrides: Any) -> Run:
+    def run(*args: str, **overrides: Any) -> Run:
         inventory = tmp_path / "inventory.json"
         host_vars = {
             **lab,
@@ -173,9 +182,11 @@ def play(tmp_path: Path, lab: dict[str, Any], pve):
             "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_FORCE_COLOR": "0",
+            # The heartbeat callback's line while a task waits on a Proxmox task (a create, a restart).
+            "DFLASH_HEARTBEAT_S": "2",
         }
         proc = subprocess.run(
-            [str(BIN / "ansible-playbook"), "-i", str(inventory), str(REPO / "ansible" / "l2_container.yml")],
+            [BIN / "ansible-playbook", *args, "-i", inventory, REPO / "ansible" / "l2_container.yml"],
             capture_output=True,
             text=True,
             env=env,

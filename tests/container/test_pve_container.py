@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import fakepve.pytest_plugin as plugin
 import pytest
 
-from lab.fakepve_daemon import LabFakePve
+from lab.fakepve_daemon import LAB_TIME_SCALE, LabFakePve
 from tests.container.conftest import GPUS
 
 DEVICES = [f"/dev/nvidia{g}" for g in GPUS] + [
@@ -349,3 +350,151 @@ def test_mount_points_are_bind_mpn_entries_kept_exactly(pve, play, lab, tmp_path
         f"lxc.mount.entry: {shared} mnt/ro none ro,bind,create=dir 0 0",
     ]
     assert play(ct_mount_points=both, ct_device_mode="raw").changed == 0
+
+
+# ------------------------------------------------------------------ API tasks that take time
+
+GB = 1024**3
+
+
+def template_on_host(pve, lab, gb: float) -> str:
+    """The lab's template already on the host's storage, recorded at the size of a cuda image (upload skipped:
+    proxmox_template finds it). A create from it takes LabFakePve's create_secs for that size."""
+    name = Path(lab["ct_template_src"]).name
+    pve.store_file("local", name, int(gb * GB), "vztmpl")
+    return f"local:vztmpl/{name}"
+
+
+def create_tasks(pve) -> list[dict]:
+    return [t for t in pve.tasklog if t["type"] == "vzcreate" and t["id"] == "200"]
+
+
+def test_a_create_longer_than_the_api_timeout_is_waited_for(pve, play, lab) -> None:
+    """A 6 GB cuda template takes about 2 minutes to unpack, longer than pve_api_timeout_s (30 s): the create
+    waits on its task (ct_create_timeout_s) instead of failing while the host goes on creating. Scaled: the
+    API timeout 2 s, the create 125 PVE s = 6 s."""
+    template_on_host(pve, lab, 6)
+    run = play(pve_api_timeout_s=2)
+    assert run.rc == 0, run.error()
+    ct = pve.ct(200)
+    assert ct is not None and ct.status == "running" and not ct.lock
+    assert [t["exitstatus"] for t in create_tasks(pve)] == ["OK"]
+    assert "still running: pve_container : API | create the CT" in run.out, "no progress while the create ran"
+    again = play(pve_api_timeout_s=2)
+    assert again.rc == 0 and again.changed == 0, again.error()
+
+
+def test_a_rerun_waits_for_a_create_still_running(pve, play, lab) -> None:
+    """A run that gave up on a long create (or two runs at once) leaves the create task running and CT 200
+    locked (create): the next run waits for that task, then configures the CT, instead of failing on the
+    lock."""
+    from proxmoxer import ProxmoxAPI
+
+    volid = template_on_host(pve, lab, 10)  # 205 PVE s = 10 s
+    api = ProxmoxAPI(pve.host, port=pve.port, user="root@pam", password="secret", verify_ssl=False)
+    api.nodes("pve1").lxc.create(
+        vmid=200, ostemplate=volid, hostname="ct200", unprivileged=0, rootfs="local-lvm:8", memory=4096
+    )
+    assert pve.ct(200).lock == "create"
+    run = play()
+    assert run.rc == 0, run.error()
+    ct = pve.ct(200)
+    assert ct.status == "running" and not ct.lock
+    assert "hwaddr=BC:24:11:AA:BB:CC" in ct.config["net0"], "the CT was not configured after the create"
+    assert len(create_tasks(pve)) == 1, "a second create was started"
+
+
+def test_a_ct_left_locked_by_a_dead_create_is_one_clear_error(pve, play) -> None:
+    """A create whose task died (host rebooted, task killed) leaves `lock: create` and no task: one line that
+    names the lock and the two ways out."""
+    pve.add_ct(200, status="stopped", config={"lock": "create"}, defaults=False)
+    run = play()
+    assert run.rc != 0
+    error = run.error()
+    assert "CT 200 on pve1 is locked (create)" in error and "no create task runs" in error, error
+    assert "pct destroy 200" in error and "pct unlock 200" in error, error
+    assert pve.ct(200).config == {"lock": "create"}, "the role changed a half-made CT"
+
+
+def test_check_mode_creates_nothing_and_finds_nothing_to_change(pve, play, lab) -> None:
+    """--check before the CT exists says it would create it and touches nothing; after the create, --check
+    with a changed raw line neither restarts nor changes the CT."""
+    template_on_host(pve, lab, 1)
+    dry = play("--check")
+    assert dry.rc == 0, dry.error()
+    assert pve.ct(200) is None and not create_tasks(pve), "check mode created the CT"
+    assert "would be created from local:vztmpl/" in dry.out
+    assert play().rc == 0
+    ct = pve.ct(200)
+    started = ct.started_at
+    again = play("--check", ct_shm_size_mb=768)
+    assert again.rc == 0, again.error()
+    assert ct.status == "running" and ct.started_at == started and not shutdowns(pve), "check mode restarted"
+
+
+# ------------------------------------------------------------------ restart that waits for the trainer
+
+
+def shutdowns(pve) -> list[bytes]:
+    return [body for method, path, body in pve.requests if method == "POST" and path.endswith("/shutdown")]
+
+
+def test_restart_after_a_config_change_waits_for_the_trainers_save(pve, play) -> None:
+    """A changed raw line restarts CT 200 (the handler). The trainer needs 300 PVE s to save its checkpoint,
+    more than PVE's 60 s shutdown default (pve-container src/PVE/API2/LXC/Status.pm vm_shutdown: timeout
+    default 60): the handler shuts the CT down with ct_shutdown_timeout_s (TimeoutStopSec + margin), waits for
+    the task, and starts it again."""
+    assert play(trainer_service_timeout_stop_sec=900).rc == 0
+    ct = pve.ct(200)
+    ct.shutdown_secs = 300
+    run = play(trainer_service_timeout_stop_sec=900, ct_shm_size_mb=768, ct_start_timeout_s=10)
+    assert run.rc == 0, run.error()
+    assert ct.status == "running", f"CT 200 is {ct.status} after the restart"
+    assert getattr(ct, "stop_kind", None) == "clean", "the checkpoint save was cut"
+    assert [b for b in shutdowns(pve) if b"timeout=1020" in b], f"shutdown requests: {shutdowns(pve)}"
+
+
+def test_a_restart_whose_shutdown_outlives_its_timeout_says_the_ct_state_and_what_to_run(pve, play) -> None:
+    """The trainer's stop takes longer than ct_shutdown_timeout_s: the shutdown task fails (no forceStop, so
+    the save is not cut: the CT goes on stopping), and the play stops with one line naming the CT's state and
+    the commands to run; the role never kills the CT."""
+    assert play(trainer_service_timeout_stop_sec=60).rc == 0
+    ct = pve.ct(200)
+    ct.shutdown_secs = 400  # ct_shutdown_timeout_s = 60 + 120 = 180
+    run = play(trainer_service_timeout_stop_sec=60, ct_shm_size_mb=768)
+    assert run.rc != 0
+    error = run.error()
+    assert "did not shut down within 180 s (ct_shutdown_timeout_s" in error, error
+    assert "CT 200 on pve1 is" in error and "pct start 200" in error, error
+    assert getattr(ct, "stop_kind", None) != "killed", "the role killed the CT"
+
+
+def test_the_stand_in_shutdown_honours_its_timeout(pve) -> None:
+    """The contract the restart relies on (pve-container src/PVE/LXC.pm vm_stop, vm_reboot): a shutdown
+    longer than its timeout fails without forceStop while the CT goes on stopping; a reboot (`pct reboot`,
+    60 s by default: lxc-stop's own default) kills it."""
+    from proxmoxer import ProxmoxAPI
+
+    api = ProxmoxAPI(pve.host, port=pve.port, user="root@pam", password="secret", verify_ssl=False)
+    node = api.nodes("pve1")
+
+    def wait(upid: str) -> dict:
+        for _ in range(400):
+            status = node.tasks(upid).status.get()
+            if status["status"] == "stopped":
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"task {upid} still running")
+
+    a = pve.add_ct(201, "a", status="running")
+    a.shutdown_secs = 100
+    assert wait(node.lxc(201).status.shutdown.post())["exitstatus"] == "container did not stop"
+    assert a.status == "running", "the CT stopped at once"
+    time.sleep(100 * LAB_TIME_SCALE)
+    assert a.status == "stopped" and a.stop_kind == "clean"
+    b = pve.add_ct(202, "b", status="running")
+    b.shutdown_secs = 100
+    assert wait(node.lxc(202).status.reboot.post())["exitstatus"] == "OK"
+    assert b.status == "running" and b.stop_kind == "killed"
+    running = node.tasks.get(vmid=202, source="active")
+    assert running == [] and node.tasks.get(vmid=202)[0]["status"] == "OK"
