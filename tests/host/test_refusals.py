@@ -55,6 +55,30 @@ def test_bad_kernel_version_is_refused(lab_host):
     assert 'host_kernel_version="latest" is not a kernel release' in out
 
 
+def test_driver_branch_too_old_for_the_kernel_is_refused(lab_host):
+    """550.163.01 and 555.58.02 fail to build on 6.17.13-pve (NVIDIA/open-gpu-kernel-modules#1143): refused
+    before the kernel's headers are even looked for."""
+    out = run_refused(
+        "-e",
+        '{"nvidia_driver_version": "550.163.01", "nvidia_driver_kernel_version": "6.17.13-2-pve"}',
+    )
+    assert "NVIDIA 550.163.01 (branch 550) is known to build up to kernel 6.15, not 6.17.13-2-pve" in out, (
+        out[-2000:]
+    )
+    assert "nvidia_driver_verified_builds" in out
+
+
+def test_driver_branch_check_can_be_overridden_for_a_verified_build(lab_host):
+    """An operator who built the pair on a test host lists it; the play then goes on to the next check."""
+    out = run_refused(
+        "-e",
+        '{"nvidia_driver_version": "550.163.01", "nvidia_driver_kernel_version": "6.17.13-2-pve",'
+        ' "nvidia_driver_verified_builds": ["550.163.01@6.17.13-2-pve"]}',
+    )
+    assert "is known to build up to kernel" not in out
+    assert "kernel headers for 6.17.13-2-pve are missing" in out, out[-2000:]
+
+
 def broken_source(tmp_path, version: str):
     """A tree shaped like NVIDIA's kernel-open whose build fails at once, as a too-new kernel's API would."""
     buf = io.BytesIO()
