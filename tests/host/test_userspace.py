@@ -82,12 +82,16 @@ def runfile_userspace(gpu_machine: int) -> Iterator[dict[str, object]]:
 
 @pytest.fixture
 def userspace(gpu_machine: int) -> Iterator[int]:
-    """The stand-in userspace installed directly (what an earlier L1 run's installer left)."""
+    """The stand-in userspace installed directly (what an earlier L1 run's installer left). The units'
+    enablement, which a test may change, is restored afterwards."""
+    enabled = {u: attach("systemctl", "is-enabled", u).stdout.strip() == "enabled" for u in UNITS}
     attach("sh", "-c", CLEAN)
     for name in USERSPACE:
         install_standin(name)
     yield gpu_machine
     attach("sh", "-c", CLEAN)
+    for unit, was in enabled.items():
+        attach("systemctl", "enable" if was else "disable", "--quiet", unit)
 
 
 def test_standin_fails_without_a_module_for_the_running_kernel(userspace):
