@@ -37,6 +37,15 @@ def play(*extra_vars: str, tags: str | None = None) -> subprocess.CompletedProce
             ["data_shards_dir=/var"],
             "lab-ct200: shard_sync_dest (data_shards_dir) = /var must be an absolute path",
         ),
+        (
+            ["shard_sync_manifest_sha256=CHANGE-ME"],
+            "lab-ct200: shard_sync_manifest_sha256 = CHANGE-ME must be the sha256 of s3://dflash-lab/shards/MANIFEST.json",
+        ),
+        (
+            ["model_stage_manifest_sha256=CHANGE-ME"],
+            "lab-ct200: model_stage_manifest_sha256 = CHANGE-ME must be the sha256 of "
+            "s3://dflash-lab/models/tiny-qwen3_5/MANIFEST.json",
+        ),
     ],
 )
 def test_bad_value_is_named_before_anything_changes(extra: list[str], expected: str) -> None:
