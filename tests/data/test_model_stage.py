@@ -189,3 +189,30 @@ def shell_quote(text: str) -> str:
 
 def shell_join(argv: list[str]) -> str:
     return " ".join(shell_quote(a) for a in argv)
+
+
+def test_the_staged_model_is_readable_whatever_the_callers_umask(work: str) -> None:
+    """The trainer runs as its own user: a copy staged from a shell with umask 077 (lxc-attach, ansible's
+    command) must still be a 0755 directory of 0644 files."""
+    store = f"{work}/store"
+    ct_ok(f"mkdir -p {store}/sub && echo w > {store}/sub/w.bin && echo c > {store}/config.json")
+    manifest = ct_ok(f"cd {store} && sha256sum sub/w.bin config.json")
+    files = [
+        {"path": name, "size": 2, "sha256": digest}
+        for digest, name in (line.split() for line in manifest.splitlines())
+    ]
+    ct_ok(f"echo '{json.dumps({'version': 1, 'files': files})}' > {store}/MANIFEST.json")
+    ct_ok(f"umask 077 && {STAGE} --source {store} --dest {SHM_WORK}/model")
+    modes = ct_ok(f"cd {SHM_WORK} && stat -c '%a %n' . model model/sub model/sub/w.bin model/MANIFEST.json")
+    assert modes.split() == [
+        "755",
+        ".",
+        "755",
+        "model",
+        "755",
+        "model/sub",
+        "644",
+        "model/sub/w.bin",
+        "644",
+        "model/MANIFEST.json",
+    ], modes

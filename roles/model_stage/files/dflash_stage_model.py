@@ -142,7 +142,7 @@ def copy_hashing(src: Path, dst: Path, progress: Progress | None = None) -> tupl
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     size = 0
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dst.parent)
     with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
         while n := fin.readinto(buf):
             h.update(view[:n])
@@ -152,6 +152,15 @@ def copy_hashing(src: Path, dst: Path, progress: Progress | None = None) -> tupl
                 progress.add(n)
     os.chmod(dst, 0o644)
     return size, h.hexdigest()
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p with 0755 whatever the caller's umask (an ansible or lxc-attach shell's 077 would leave the
+    model readable by root only, and the trainer runs as its own user)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for p in missing:
+        os.chmod(p, 0o755)
 
 
 def tree_bytes(path: Path) -> int:
@@ -251,9 +260,10 @@ class Stager:
                 shutil.rmtree(p)
             elif p.exists() or p.is_symlink():
                 p.unlink()
-        parent.mkdir(mode=0o755, exist_ok=True)
+        make_dirs(parent)
         tmp = parent / f"{self.dest.name}.staging-{os.getpid()}"
-        tmp.mkdir(mode=0o755)
+        tmp.mkdir()
+        os.chmod(tmp, 0o755)
         started = time.monotonic()
         try:
             self.copy_all(entries, tmp, manifest_path)
