@@ -24,6 +24,10 @@ DEVICES = [f"/dev/nvidia{g}" for g in GPUS] + [
     "/dev/nvidia-caps/nvidia-cap1",
     "/dev/nvidia-caps/nvidia-cap2",
 ]
+# As each devN entry names them: the GPU nodes' group and mode for the trainer (ct_gpu_gid, ct_gpu_mode).
+# A node is 0660 and the CT's root's unless the entry says otherwise (pve-container src/PVE/LXC.pm
+# create_passthrough_device_node).
+ENTRIES = [f"{d},gid=44,mode=0660" for d in DEVICES]
 
 
 def devn(config: dict) -> dict[str, str]:
@@ -41,7 +45,7 @@ def test_create_then_rerun_changes_nothing(pve, play, lab) -> None:
     assert "hwaddr=BC:24:11:AA:BB:CC" in cfg["net0"]
     assert "firewall=1" in cfg["net0"], "net0 lacks the Proxmox firewall"
     assert cfg["rootfs"].startswith("local-lvm:") and "size=8G" in cfg["rootfs"]
-    assert sorted(devn(cfg).values()) == sorted(DEVICES)
+    assert sorted(devn(cfg).values()) == sorted(ENTRIES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
     assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=512m,create=dir 0 0\n" in conf
     assert "lxc.prlimit.memlock: unlimited\n" in conf
@@ -168,7 +172,7 @@ def test_token_for_the_api_and_pct_for_devn(pve, play, lab) -> None:
     token = {"pve_api_password": "", "pve_api_token_id": "ci", "pve_api_token_secret": "token-secret"}
     run = play(**token, ct_features=[], ct_device_mode="auto")
     assert run.rc == 0, run.error()
-    assert sorted(devn(pve.ct(200).config).values()) == sorted(DEVICES)
+    assert sorted(devn(pve.ct(200).config).values()) == sorted(ENTRIES)
     conf = Path(lab["ct_pve_conf_dir"], "200.conf").read_text()
     assert "lxc.mount.entry: /dev/nvidia" not in conf and "lxc.cgroup2.devices.allow" not in conf
     again = play(**token, ct_features=[], ct_device_mode="auto")
@@ -200,7 +204,7 @@ def test_least_privilege_token_provisions_an_unprivileged_ct(pve, play) -> None:
     run = play(**token, ct_unprivileged=True, ct_features=[])
     assert run.rc == 0, run.error()
     cfg = pve.ct(200).config
-    assert cfg.get("unprivileged") == 1 and sorted(devn(cfg).values()) == sorted(DEVICES)
+    assert cfg.get("unprivileged") == 1 and sorted(devn(cfg).values()) == sorted(ENTRIES), devn(cfg)
 
 
 def test_api_certificate_checked_against_a_ca_bundle(pve, play, fakepve_cafile) -> None:
@@ -247,7 +251,7 @@ def test_devices_stay_unduplicated_across_runs_and_rewrites(pve, play, lab) -> N
         run = play(ct_gpus=[0])
         assert run.rc == 0, run.error()
     values = list(devn(pve.ct(200).config).values())
-    assert sorted(values) == sorted(d for d in DEVICES if d != "/dev/nvidia1")
+    assert sorted(values) == sorted(d for d in ENTRIES if not d.startswith("/dev/nvidia1,"))
     assert len(values) == len(set(values))
     text = conf.read_text()
     main, _, snapshot = text.partition("[before-upgrade]")
