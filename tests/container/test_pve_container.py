@@ -6,6 +6,7 @@ an unreachable API and an offline node, and device entries correct and unduplica
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import time
@@ -62,7 +63,7 @@ def image_record(tmp_path: Path, variant: str, **changes) -> Path:
         "path": str(archive),
         "name": archive.name,
         "volid": f"local:vztmpl/{archive.name}",
-        "sha256": "0" * 64,
+        "sha256": hashlib.sha256(archive.read_bytes()).hexdigest(),
         "size_bytes": archive.stat().st_size,
         "manifest": {"variant": variant},
     } | changes
@@ -95,6 +96,13 @@ def test_image_record_of_another_variant_or_a_changed_archive_refused(pve, play,
     short = image_record(tmp_path, "cuda", size_bytes=10**9)
     changed = play(ct_template_src="", ct_variant="cuda", ct_image_record=str(short))
     assert changed.rc != 0 and "the record says 1000000000" in changed.error()
+    # Same size, other bytes (a tampered or half-rewritten archive): refused by its sha256 before any upload.
+    record = image_record(tmp_path, "cuda")
+    archive = Path(json.loads(record.read_text())["path"])
+    archive.write_bytes(archive.read_bytes()[:-1] + b"\x01")
+    tampered = play(ct_template_src="", ct_variant="cuda", ct_image_record=str(record))
+    assert tampered.rc != 0 and "sha256" in tampered.error() and "the record says" in tampered.error()
+    assert not [r for r in pve.requests if "/upload" in r[1]], "a tampered archive was uploaded"
 
 
 def test_cpu_variant_with_gpus_refused(pve, play) -> None:
