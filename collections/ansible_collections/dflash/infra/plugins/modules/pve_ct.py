@@ -8,7 +8,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_devices import plan_entries, repeated_paths
+from ansible_collections.dflash.infra.plugins.module_utils.pve_devices import plan_entries, repeated_paths
 
 try:
     import requests

@@ -6,7 +6,11 @@ Proxmox host."""
 from __future__ import annotations
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_devices import entry_order, plan_entries, repeated_paths
+from ansible_collections.dflash.infra.plugins.module_utils.pve_devices import (
+    entry_order,
+    plan_entries,
+    repeated_paths,
+)
 
 DOCUMENTATION = r"""
 module: pve_ct_pct
