@@ -7,11 +7,13 @@ back every value as it was."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import yaml
 
 from tests.service.lab import REPO
 from tests.service.test_service import START_S
+from tests.verify.test_l5_service import FIND_TRAINER_SECRET
 
 DEFAULTS = yaml.safe_load((REPO / "roles/trainer_service/defaults/main.yml").read_text())
 USER = DEFAULTS["trainer_service_user"]
@@ -72,5 +74,8 @@ def test_a_secret_with_quotes_hash_and_dollar_arrives_unchanged(ct):
             " /usr/bin/printenv DFLASH_PROBE_SECRET"
         ).stdout
         assert got == value + "\n", (got, value)
+        # Written, read by systemd, never anywhere else: not in the journal, a command line or another file.
+        found = ct.sh(f"python3 -c {shlex.quote(FIND_TRAINER_SECRET)} /etc/dflash/secrets.env").stdout.split()
+        assert found == ["1"], f"the secret appears in: {found[1:]}"
     finally:
         ct.converge()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import yaml
@@ -114,3 +115,46 @@ def test_unit_runs_the_trainer_without_privileges(host):
             line.split(":", 1) for line in host.file(f"/proc/{pid}/status").content_string.splitlines()
         )
         assert status["NoNewPrivs"].strip() == "1" and int(status["CapBnd"], 16) == 0
+
+
+# Every value of the trainer's secrets file (as systemd reads it: KEY="value" with \\ \" \` \$ escapes) looked
+# for in the journal, every command line and the other files under /etc/dflash and /etc/systemd/system; only
+# the names of the places holding one come back, never a value. Values under 8 characters are not looked for.
+FIND_TRAINER_SECRET = r"""
+import glob, re, subprocess, sys
+values = []
+for line in open(sys.argv[1]):
+    m = re.match(r'^[A-Za-z_][A-Za-z0-9_]*="((?:[^"\\]|\\.)*)"\s*$', line)
+    if m:
+        values.append(re.sub(r'\\(.)', r'\1', m.group(1)))
+values = [v for v in values if len(v) >= 8]
+places = [p for p in glob.glob("/etc/dflash/**", recursive=True) + glob.glob("/etc/systemd/system/*")
+          if p != sys.argv[1] and not p.endswith("/aws/credentials")]
+hits = []
+for p in places:
+    try:
+        text = open(p, errors="replace").read()
+    except OSError:
+        continue
+    hits += [p] if any(v in text for v in values) else []
+journal = subprocess.run(["journalctl", "--no-pager", "-o", "cat"], capture_output=True, text=True).stdout
+hits += ["the journal"] if any(v in journal for v in values) else []
+for cmd in glob.glob("/proc/[0-9]*/cmdline"):
+    try:
+        data = open(cmd, "rb").read()
+    except OSError:
+        continue
+    hits += [cmd] if any(v.encode() in data for v in values) else []
+print(len(values), " ".join(hits))
+"""
+
+
+def secret_places(host, path: str = "/etc/dflash/secrets.env") -> tuple[int, list[str]]:
+    """How many secrets the file holds, and where else any of them appears."""
+    out = host.check_output(f"python3 -c {shlex.quote(FIND_TRAINER_SECRET)} {path}").split()
+    return int(out[0]), out[1:]
+
+
+def test_no_trainer_secret_outside_its_file(host):
+    _, hits = secret_places(host)
+    assert hits == [], f"a value of /etc/dflash/secrets.env appears in: {hits}"
