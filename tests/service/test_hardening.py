@@ -79,3 +79,71 @@ def test_a_secret_with_quotes_hash_and_dollar_arrives_unchanged(ct):
         assert found == ["1"], f"the secret appears in: {found[1:]}"
     finally:
         ct.converge()
+
+
+# What the unit's hardening adds in the unprivileged CT, and what the CT enforces already (the directive is
+# then silently redundant there: ProtectKernelTunables, ProtectControlGroups, ProtectKernelLogs,
+# RestrictRealtime).
+ENFORCED_BY_THE_UNIT = [
+    "run as root",
+    "gain privileges (NoNewPrivs 0)",
+    "hold capabilities",
+    "write /usr",
+    "write /etc",
+    "read /root",
+    "see other /tmp files",
+    "new user namespace",
+    "change personality",
+]
+ENFORCED_BY_THE_CT = ["write /proc/sys", "write /sys/fs/cgroup", "read /dev/kmsg", "realtime scheduling"]
+HARDENING_KEYS = [
+    "User",
+    "Group",
+    "SupplementaryGroups",
+    "UMask",
+    "NoNewPrivileges",
+    "CapabilityBoundingSet",
+    "AmbientCapabilities",
+    "ProtectSystem",
+    "PrivateTmp",
+    "ProtectHome",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectKernelLogs",
+    "ProtectControlGroups",
+    "ProtectHostname",
+    "RestrictAddressFamilies",
+    "RestrictNamespaces",
+    "RestrictRealtime",
+    "RestrictSUIDSGID",
+    "LockPersonality",
+    "SystemCallArchitectures",
+]
+
+
+def probe(ct, props: list[str]) -> dict[str, str]:
+    args = " ".join(f"-p {shlex.quote(p)}" for p in props)
+    out = ct.sh(f"systemd-run --quiet --wait --pipe {args} /usr/local/sbin/dflash-probe-hardening").stdout
+    return dict(line.rsplit(": ", 1) for line in out.splitlines())
+
+
+def test_what_the_hardening_enforces_and_what_the_unprivileged_ct_enforces_already(ct):
+    script = (REPO / "tests/service/probe_hardening.sh").read_text()
+    tool = "/usr/local/sbin/dflash-probe-hardening"
+    ct.sh(f"cat > {tool} <<'EOF'\n{script}EOF\nchmod 0755 {tool}")
+    ct.sh(": > /tmp/.dflash-probe-outside")
+    unit = ct.sh("systemctl cat dflash-train.service").stdout.splitlines()
+    props = [line for line in unit if line.split("=", 1)[0] in HARDENING_KEYS]
+    assert len({p.split("=", 1)[0] for p in props}) == len(HARDENING_KEYS), props
+    try:
+        plain, hardened = probe(ct, []), probe(ct, props)
+    finally:
+        ct.sh("rm -f /usr/local/sbin/dflash-probe-hardening /tmp/.dflash-probe-outside", check=False)
+    assert {k: plain[k] for k in ENFORCED_BY_THE_UNIT} == dict.fromkeys(ENFORCED_BY_THE_UNIT, "allowed"), (
+        plain
+    )
+    assert {k: hardened[k] for k in ENFORCED_BY_THE_UNIT} == dict.fromkeys(ENFORCED_BY_THE_UNIT, "refused"), (
+        hardened
+    )
+    for k in ENFORCED_BY_THE_CT:
+        assert plain[k] == hardened[k] == "refused", (k, plain[k], hardened[k])
