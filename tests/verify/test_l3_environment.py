@@ -137,8 +137,8 @@ def test_trainer_cli_answers(host, hostvars: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("key", "env_name", "default"),
     [
-        ("ct_triton_cache_dir", "TRITON_CACHE_DIR", "/var/cache/dflash/triton"),
-        ("ct_inductor_cache_dir", "TORCHINDUCTOR_CACHE_DIR", "/var/cache/dflash/inductor"),
+        ("ct_triton_cache_dir", "TRITON_CACHE_DIR", "/var/cache/dflash-train/triton"),
+        ("ct_inductor_cache_dir", "TORCHINDUCTOR_CACHE_DIR", "/var/cache/dflash-train/inductor"),
     ],
 )
 def test_compile_caches_persist(
