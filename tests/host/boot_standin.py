@@ -85,16 +85,17 @@ def running_kernel() -> str:
     return sh("uname -r").strip()
 
 
-def bootctl_deb() -> bytes:
-    """The stand-in package: /usr/bin/bootctl from lab/boot_standin, built with dpkg-deb here."""
+def build_deb(control: str, files: dict[str, tuple[bytes, int]] | None = None) -> bytes:
+    """A .deb built with dpkg-deb here: DEBIAN/control's text and {path in the package: (bytes, mode)}."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "pkg"
         (root / "DEBIAN").mkdir(parents=True)
-        (root / "usr" / "bin").mkdir(parents=True)
-        bootctl = root / "usr" / "bin" / "bootctl"
-        bootctl.write_bytes((STANDIN / "bootctl").read_bytes())
-        bootctl.chmod(0o755)
-        (root / "DEBIAN" / "control").write_text(BOOTCTL_FIELDS + BOOTCTL_DESCRIPTION)
+        (root / "DEBIAN" / "control").write_text(control)
+        for path, (data, mode) in (files or {}).items():
+            target = root / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            target.chmod(mode)
         deb = Path(tmp) / "out.deb"
         subprocess.run(
             ["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
@@ -102,6 +103,12 @@ def bootctl_deb() -> bytes:
             capture_output=True,
         )
         return deb.read_bytes()
+
+
+def bootctl_deb() -> bytes:
+    """The stand-in package: /usr/bin/bootctl from lab/boot_standin."""
+    bootctl = (STANDIN / "bootctl").read_bytes()
+    return build_deb(BOOTCTL_FIELDS + BOOTCTL_DESCRIPTION, {"/usr/bin/bootctl": (bootctl, 0o755)})
 
 
 def packages_index(deb: bytes, filename: str) -> bytes:

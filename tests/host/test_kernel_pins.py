@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.host.boot_standin import put, sh
+from tests.host.boot_standin import build_deb, put, sh
 from tests.host.conftest import attach, playbook, snapshot
 
 L0 = "ansible/l0_host.yml"
@@ -42,20 +39,10 @@ def refused(*extra: str) -> str:
 
 
 def empty_deb(name: str, version: str) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "pkg"
-        (root / "DEBIAN").mkdir(parents=True)
-        (root / "DEBIAN" / "control").write_text(
-            f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
-            "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
-        )
-        deb = Path(tmp) / "out.deb"
-        subprocess.run(
-            ["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
-            check=True,
-            capture_output=True,
-        )
-        return deb.read_bytes()
+    return build_deb(
+        f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
+        "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
+    )
 
 
 @pytest.fixture
