@@ -176,23 +176,34 @@ def play(tmp_path: Path, lab: dict[str, Any], pve):
             json.dumps({"url": url, "node": "pve1", "user": "root@pam", "password": "secret"})
         )
         env = {
-            **os.environ,
             "PATH": f"{bindir}:{BIN}:{os.environ['PATH']}",
             "LAB_PCT_CONFIG": str(pct_conf),
-            "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_FORCE_COLOR": "0",
             # The heartbeat callback's line while a task waits on a Proxmox task (a create, a restart).
             "DFLASH_HEARTBEAT_S": "2",
         }
-        proc = subprocess.run(
-            [BIN / "ansible-playbook", *args, "-i", inventory, REPO / "ansible" / "l2_container.yml"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-            check=False,
+        return ansible_playbook(
+            *args, "-i", str(inventory), str(REPO / "ansible" / "l2_container.yml"), env=env
         )
-        return Run(proc.returncode, proc.stdout + proc.stderr)
 
     return run
+
+
+def ansible_playbook(*args: str, env: dict[str, str] | None = None) -> Run:
+    """ansible-playbook of the venv with the project's ansible.cfg, uncoloured, ENV over this process's."""
+    full_env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [str(BIN / "ansible-playbook"), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=600,
+        check=False,
+    )
+    return Run(proc.returncode, proc.stdout + proc.stderr)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.container.conftest import BIN, REPO, Run
+from tests.container.conftest import BIN, REPO, Run, ansible_playbook
 
 NODES = ("pve1", "pve2")
 
@@ -67,23 +67,8 @@ def two_node_play(tmp_path: Path, lab: dict[str, Any], pve):
         }
         path = tmp_path / "inventory.json"
         path.write_text(json.dumps(inventory))
-        env = {
-            **os.environ,
-            "PATH": f"{BIN}:{os.environ['PATH']}",
-            "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_FORCE_COLOR": "0",
-        }
-        argv = [str(BIN / "ansible-playbook"), "-i", str(path), str(REPO / "ansible" / "l2_container.yml")]
-        proc = subprocess.run(
-            argv + (["--tags", tags] if tags else []),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-            check=False,
-        )
-        return Run(proc.returncode, proc.stdout + proc.stderr)
+        tag_args = ["--tags", tags] if tags else []
+        return ansible_playbook("-i", str(path), str(REPO / "ansible" / "l2_container.yml"), *tag_args)
 
     return run
 

@@ -26,10 +26,10 @@ short_description: Probe the Proxmox API for a container, and keep its devN pass
 description:
   - C(action=probe) logs in, checks that the node is online and returns the container's config (or none),
     with a one-line error naming the API, the user or token, and the cause when it cannot.
-  - C(action=probe) finds a container locked by a create (C(lock: create)): it waits for that create task
+  - C(action=probe) finds a container locked by a create (lock C(create)), and waits for that create task
     (up to I(task_timeout)), or fails with one line naming the lock and the fix when no create task runs.
   - C(action=create) creates the container from I(spec) (community.proxmox.proxmox's option names) and waits
-    on the create task (its UPID) up to I(task_timeout): unpacking a large template outlasts an API timeout.
+    on the create task (its UPID) up to I(task_timeout), unpacking a large template outlasts an API timeout.
   - C(action=restart) shuts a running container down cleanly, giving it I(shutdown_timeout) seconds (PVE's
     own default is 60), waits for that task, and starts it again; it never kills the container, and a failure
     is one line with the container's state and what to run.

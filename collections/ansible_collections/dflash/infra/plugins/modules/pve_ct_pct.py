@@ -20,7 +20,7 @@ description:
     root@pam only (pve-container PVE/LXC/Config.pm check_ct_modify_config_perm), and C(pct set) as root on the
     host counts as root@pam, so no root password or TOTP is stored anywhere; an API token does the rest of L2.
   - Makes the devN entries exactly the given device paths, each once, keeping the index of a path there.
-  - Makes the bind mount points (mpN with a host path; root@pam only as well: "mount point type bind is only
+  - Makes the bind mount points (mpN with a host path; root@pam only as well, "mount point type bind is only
     allowed for root@pam") exactly the given ones, one per CT path; storage volumes are never touched.
 options:
   vmid: {description: container id, type: int, required: true}
