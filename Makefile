@@ -39,7 +39,7 @@ test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's chec
 	@# torchrun's agents leave /tmp/torchelastic_* behind: the trainer's tests get a TMPDIR of their own.
 	tmp=$$(mktemp -d /tmp/dflash-trainer-tests.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
 	  TMPDIR=$$tmp $(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
-	$(PY) -m pytest -q -m "not slow" tests/lab tests/inventory tests/molecule
+	$(PY) -m pytest -q -m "not slow" tests/lab tests/inventory tests/tooling tests/molecule
 	scripts/molecule_all.sh
 	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
 	$(MAKE) --no-print-directory test-multinode
