@@ -51,9 +51,8 @@ def test_the_example_is_refused_until_its_vault_is_encrypted(tmp_path: Path) -> 
     assert f"ansible-vault encrypt {vault}" in lines[0]
 
 
-def test_an_encrypted_vault_passes_with_its_password_and_is_named_without(tmp_path: Path) -> None:
-    inv = copy("example", tmp_path)
-    vault = inv / "group_vars" / "all" / "vault.yml"
+def encrypt_vault(vault: Path, tmp_path: Path) -> Path:
+    """Encrypts VAULT in place with a lab-only password; returns the password file (0600)."""
     password = tmp_path / "vault-pass"
     password.write_text("lab-only-password\n")
     password.chmod(0o600)
@@ -63,6 +62,13 @@ def test_an_encrypted_vault_passes_with_its_password_and_is_named_without(tmp_pa
         capture_output=True,
         timeout=60,
     )
+    return password
+
+
+def test_an_encrypted_vault_passes_with_its_password_and_is_named_without(tmp_path: Path) -> None:
+    inv = copy("example", tmp_path)
+    vault = inv / "group_vars" / "all" / "vault.yml"
+    password = encrypt_vault(vault, tmp_path)
     assert vault.read_text().startswith("$ANSIBLE_VAULT;")
     proc = check(inv, ANSIBLE_VAULT_PASSWORD_FILE=str(password))
     assert proc.returncode == 0, proc.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from lab.settings import REPO
+from tests.inventory.test_check_inventory import encrypt_vault
 
 CHECK = REPO / "scripts" / "check_inventory.py"
 BIN = Path(sys.executable).parent
@@ -27,15 +28,7 @@ def example(tmp_path: Path, vault_extra: str = "") -> tuple[Path, dict[str, str]
     if vault_extra:
         first = "  gpu-a: CHANGE-ME\n"
         vault.write_text(vault.read_text().replace(first, first + vault_extra))
-    password = tmp_path / "vault-pass"
-    password.write_text("lab-only-password\n")
-    password.chmod(0o600)
-    subprocess.run(
-        [str(BIN / "ansible-vault"), "encrypt", "--vault-password-file", str(password), str(vault)],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    password = encrypt_vault(vault, tmp_path)
     env = {**os.environ, "ANSIBLE_VAULT_PASSWORD_FILE": str(password)}
     return inv, env
 
