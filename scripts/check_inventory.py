@@ -1,7 +1,8 @@
 """Checks INVENTORY before a play reads it: it exists, every YAML file in it parses (an error names the file
-and line), its vault files are encrypted, it has the groups the plays target, and each training CT's rank
-count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc (the rule lives with the
-role that renders the unit: roles/trainer_service/filter_plugins/dflash_train_config.py).
+and line), its vault files are encrypted, it has the groups the plays target, and each training CT's
+configuration passes the trainer's own checks (trainer/src/dflash_trainer/config.py: its ConfigError names the
+key) and its rank count agrees: [topology] of its train.toml, its ct_gpus and any trainer_service_nproc. Both
+through the filter that renders the unit (roles/trainer_service/filter_plugins/dflash_train_config.py).
 
 Several hosts (docs/multi-host.md): a CT's cluster is the `pve_cluster` of its Proxmox host (ct_proxmox_host;
 hosts without one count as one cluster). VMIDs are unique across a cluster (pve-cluster src/PVE/Cluster.pm

@@ -1,16 +1,24 @@
-"""The trainer's TOML writers (`config show`, smoke.toml and rehearsal configs) read back as what they were
-given, tables inside tables included: each is tomli-w's dumps."""
+"""The one TOML writer (dflash_trainer.config.to_toml: `config show`, smoke.toml, rehearsal configs and,
+through the trainer_service filter plugin, the deployed train.toml) reads back as what it was given, tables
+inside tables included."""
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dflash_trainer.cli import to_toml
-from dflash_trainer.service.smoke import dump_toml
+from dflash_trainer.config import to_toml
+
+FILTER = Path(__file__).resolve().parents[2] / "roles/trainer_service/filter_plugins/dflash_train_config.py"
+spec = importlib.util.spec_from_file_location("dflash_train_config_writer", FILTER)
+assert spec is not None and spec.loader is not None
+render = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render)
 
 # A table inside a table ([trackers.wandb]), three levels deep, keys that need quoting, strings that need
 # escaping, lists of lists: what a hand-written scalar-and-list writer got wrong.
@@ -24,8 +32,8 @@ TABLES: dict[str, dict[str, Any]] = {
 }
 
 WRITERS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
-    "cli.to_toml": to_toml,
-    "smoke.dump_toml": dump_toml,
+    "config.to_toml": to_toml,
+    "trainer_service filter": render.to_toml,
 }
 
 

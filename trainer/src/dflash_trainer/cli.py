@@ -13,12 +13,9 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
-
-import tomli_w
 
 from dflash_trainer import __version__
-from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.config import ConfigError, load_config, to_toml
 from dflash_trainer.data.shards import DataError
 
 
@@ -27,10 +24,6 @@ class UserError(Exception):
 
 
 # ---- config show ----
-
-
-def to_toml(config: dict[str, dict[str, Any]]) -> str:
-    return tomli_w.dumps(config)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

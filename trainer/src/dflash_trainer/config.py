@@ -2,6 +2,11 @@
 
 Every error is a ConfigError naming the dotted key (`drafter.block_size: must be >= 2, got 1`). Checks that
 need the target read only its config.json. Relative paths resolve against the directory of the TOML file.
+
+This module owns the configuration wherever it is read or written: the rank count (TopologyConfig.ranks),
+overlays of tables (`overlay`), the one TOML writer (`to_toml`) and the keys typed as paths (`path_keys`).
+Its module-level imports are the standard library and tomli-w only: the Ansible controller's venv loads this
+file by path (roles/trainer_service/filter_plugins), where the trainer package and torch are not installed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomli_w
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -101,6 +108,13 @@ class LoopConfig:
 class TopologyConfig:
     targets: int | Literal["auto"] = "auto"
     drafters: int | Literal["auto"] = "auto"
+
+    @property
+    def ranks(self) -> int | None:
+        """targets + drafters, the ranks a unit starts; None while either is "auto" (the world decides)."""
+        if isinstance(self.targets, int) and isinstance(self.drafters, int):
+            return self.targets + self.drafters
+        return None
 
 
 @dataclass
@@ -441,22 +455,88 @@ def _check_shards(cfg: TrainConfig) -> None:
         raise ConfigError("data.shards", str(e)) from None
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The file's tables as TOML gives them; a ConfigError naming the file (and the line) otherwise."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(str(path), "no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), f"not valid TOML: {e}") from None
+
+
+def check_tables(table: dict[str, Any], *, base: Path) -> TrainConfig:
+    """Keys, types and every value check that needs neither the target nor the trainer's other modules: what
+    a machine without the trainer (the Ansible controller) can check. Defaults that need them stay unset."""
+    cfg = parse_config(table, base=base)
+    _validate_self(cfg)
+    return cfg
+
+
 def load_config(path: str | Path, *, check_paths: bool = True) -> TrainConfig:
     """Reads, type-checks and validates one TOML file.
 
     check_paths=False skips what needs the machine the run is for: the target's config.json and the shards.
     """
     path = Path(path)
-    try:
-        with path.open("rb") as f:
-            table = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(str(path), "no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(str(path), f"not valid TOML: {e}") from None
-    cfg = parse_config(table, base=path.resolve().parent)
+    cfg = parse_config(read_toml(path), base=path.resolve().parent)
     target = read_target_info(cfg.model.target_path) if check_paths else None
     validate(cfg, target=target)
     if check_paths:
         _check_shards(cfg)
     return cfg
+
+
+# ---- the configuration as tables: paths, overlays, the writer ----
+
+
+def _is_path(tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_path(a) for a in typing.get_args(tp))
+    return tp is Path
+
+
+def path_keys() -> list[str]:
+    """Every dotted key typed as a path ("model.target_path", ...), read from the dataclasses' types."""
+    keys = []
+    for section in dataclasses.fields(TrainConfig):
+        cls = typing.get_type_hints(TrainConfig)[section.name]
+        hints = typing.get_type_hints(cls)
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls) if _is_path(hints[f.name])]
+    return keys
+
+
+def path_tables(cfg: TrainConfig) -> dict[str, dict[str, str]]:
+    """The path keys that are set, as tables of the absolute paths the loader resolved them to."""
+    tables: dict[str, dict[str, str]] = {}
+    for key in path_keys():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            tables.setdefault(section, {})[name] = str(value)
+    return tables
+
+
+def overlay(tables: dict[str, Any], *overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of `tables` with each override's keys replacing theirs, table by key: a key set to None is
+    removed (the trainer's default applies), and a table is never replaced whole, so a key that no override
+    names keeps its value. A ConfigError names an override section that is not a table of keys."""
+    out = {name: dict(table) if isinstance(table, dict) else table for name, table in tables.items()}
+    for override in overrides:
+        for name, keys in (override or {}).items():
+            table = out.setdefault(str(name), {})
+            if not isinstance(keys, dict) or not isinstance(table, dict):
+                raise ConfigError(str(name), f"an overlay gives a table of keys, got {keys!r}")
+            for key, value in keys.items():
+                if value is None:
+                    table.pop(str(key), None)
+                else:
+                    table[str(key)] = value
+    return out
+
+
+def to_toml(tables: dict[str, Any]) -> str:
+    """TOML text that reads back as `tables` (tomli-w: tables at any depth, strings quoted, lists inline)."""
+    return tomli_w.dumps(tables)

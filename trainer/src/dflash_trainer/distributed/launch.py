@@ -42,6 +42,7 @@ from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
 from dflash_trainer.distributed.stopping import REQUESTED, StopSignal
 from dflash_trainer.distributed.topology import (
+    Count,
     Role,
     Topology,
     node_layout,
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash_trainer.distributed")
 
 
-def _count(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+def _count(text: str) -> Count:
+    return "auto" if text == "auto" else int(text)
 
 
 @dataclass
@@ -64,8 +65,8 @@ class RankOptions:
 
     synthetic: bool = False  # the model-free stand-in workload (CI)
     bench: str | None = None  # random models of a bench size
-    targets: int | str | None = None  # override [topology]
-    drafters: int | str | None = None
+    targets: Count | None = None  # override [topology]
+    drafters: Count | None = None
     steps: int | None = None  # the horizon in drafter steps (bench, synthetic; default: the config's)
     max_steps: int | None = None  # stop (and save) at this optimizer step; the schedule keeps its horizon
     resume: bool = False
@@ -334,8 +335,8 @@ def _build_dflash(
 
 
 def _topology(cfg: TrainConfig | None, opts: RankOptions, world: int) -> Topology:
-    targets = opts.targets or (cfg.topology.targets if cfg is not None else "auto")
-    drafters = opts.drafters or (cfg.topology.drafters if cfg is not None else "auto")
+    targets: Count = opts.targets or (cfg.topology.targets if cfg is not None else "auto")
+    drafters: Count = opts.drafters or (cfg.topology.drafters if cfg is not None else "auto")
     return resolve_topology(world, targets, drafters)
 
 
@@ -356,11 +357,19 @@ def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
         opts.metrics_out.write_text(json.dumps(data, indent=1))
 
 
-def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None = None) -> int:
-    """This rank of the job, under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+def run_rank(
+    cfg: TrainConfig | None, opts: RankOptions, control: Control | None = None, topo: Topology | None = None
+) -> int:
+    """This rank of the job, under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    topo: the caller's resolution of [topology] for this world (the service resolves it once, to find its
+    leader); None: resolved here from cfg and the options' overrides."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, backend = _device(opts.cpu)
-    topo = _topology(cfg, opts, world)
+    if topo is None:
+        topo = _topology(cfg, opts, world)
+    elif topo.world_size != world:
+        raise ValueError(f"the topology given has {topo.world_size} ranks, the launched world {world}")
     role = topo.role(rank)
     host = socket.gethostname()
     if nodes() > 1:

@@ -222,9 +222,9 @@ SAVED = re.compile(r"checkpoint (step-\d+): stall")
 
 def _newest_checkpoint_step(config: Path) -> int | None:
     from dflash_trainer.checkpoint import latest_checkpoint, step_of_name
+    from dflash_trainer.config import load_config
 
-    directory = tomllib.loads(config.read_text())["train"]["checkpoint_dir"]
-    latest = latest_checkpoint(Path(directory))
+    latest = latest_checkpoint(load_config(config, check_paths=False).train.checkpoint_dir)
     return step_of_name(latest.name) if latest else None
 
 
@@ -300,8 +300,12 @@ _RATES = re.compile(r"one target: ([0-9.]+) tokens/s, one drafter: ([0-9.]+) tok
 def pipeline_efficiency(config: Path, world: int, env: dict[str, str], summaries: list[dict]) -> dict:
     """Measured pipeline tokens/s (the drafter leader's, phase 2) over min(N*t, M*d) from `plan`'s standalone
     figures measured in the same run on this machine."""
-    raw = tomllib.loads(config.read_text()).get("topology", {})
-    n, m = int(raw.get("targets", 1)), int(raw.get("drafters", 1))
+    from dflash_trainer.config import load_config
+    from dflash_trainer.distributed.topology import resolve_topology
+
+    topology = load_config(config, check_paths=False).topology
+    topo = resolve_topology(max(2, world), topology.targets, topology.drafters)
+    n, m = topo.num_targets, topo.num_drafters
     proc = subprocess.run([*MAIN_CLI, "plan", str(max(2, world)), str(config)], env=env, capture_output=True,
                           text=True, check=False)  # fmt: skip
     found = _RATES.search(proc.stdout)
@@ -351,24 +355,29 @@ def write_shards(path: Path, *, vocab: int, mask_id: int, seq_len: int, rows: in
 
 
 def write_config(base: Path, out: Path, *, target: Path, shards: Path, world: int, overrides: dict) -> Path:
-    """The reference configuration pointed at the rehearsal's target, shards and state directory."""
-    from dflash_trainer.service.smoke import dump_toml
+    """The reference configuration pointed at the rehearsal's target, shards and state directory, with the
+    --set overrides ({"SECTION.KEY": value}) over it."""
+    from dflash_trainer.config import check_tables, overlay, read_toml, to_toml
 
-    raw = tomllib.loads(base.read_text())
-    raw["model"]["target_path"] = str(target)
-    raw["data"]["shards"] = str(shards)
-    raw["data"]["held_out"] = min(int(raw["data"].get("held_out", 64)), 8)
-    raw["train"]["checkpoint_dir"] = str(out / "checkpoints")
-    raw.setdefault("trackers", {})["tensorboard"] = str(out / "tensorboard")
-    if world == 1:
-        raw.pop("topology", None)  # one rank: the whole run in one process
-    else:
-        raw["topology"] = {"targets": world // 2, "drafters": world - world // 2}
+    tables = read_toml(base)
+    held_out = check_tables(tables, base=base.resolve().parent).data.held_out
+    # One rank: both removed ("auto"), the whole run in one process.
+    targets, drafters = (None, None) if world == 1 else (world // 2, world - world // 2)
+    rehearsal = {
+        "model": {"target_path": str(target)},
+        "data": {"shards": str(shards), "held_out": min(held_out, 8)},
+        "train": {"checkpoint_dir": str(out / "checkpoints")},
+        "trackers": {"tensorboard": str(out / "tensorboard")},
+        "topology": {"targets": targets, "drafters": drafters},
+    }
+    named: dict[str, dict[str, object]] = {}
     for dotted, value in overrides.items():
         section, key = dotted.split(".", 1)
-        raw.setdefault(section, {})[key] = value
+        named.setdefault(section, {})[key] = value
     path = out / "rehearsal.toml"
-    path.write_text("# Written by dflash_trainer.service.rehearse.\n" + dump_toml(raw))
+    path.write_text(
+        "# Written by dflash_trainer.service.rehearse.\n" + to_toml(overlay(tables, rehearsal, named))
+    )
     return path
 
 
@@ -422,16 +431,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
 
     figures["target_write_s"] = stage_target(args.target_dir, args.shape, args.layers)
-    raw = tomllib.loads(args.config.read_text())
-    target_cfg = json.loads((args.target_dir / "config.json").read_text())
-    vocab = target_cfg.get("text_config", target_cfg)["vocab_size"]
-    mask_id = dict(args.overrides).get("drafter.mask_token_id", raw["drafter"]["mask_token_id"])
-    seq_len = int(dict(args.overrides).get("data.seq_len", raw["data"]["seq_len"]))
     shards = (args.shards_dir or out / "shards").resolve()
-    write_shards(shards, vocab=vocab, mask_id=mask_id, seq_len=seq_len, rows=64, shards=4)
     config = write_config(
         args.config, out, target=args.target_dir, shards=shards, world=world, overrides=dict(args.overrides)
     )
+    from dflash_trainer.config import load_config, read_target_info
+
+    cfg = load_config(config, check_paths=False)
+    vocab = read_target_info(cfg.model.target_path).vocab_size
+    write_shards(shards, vocab=vocab, mask_id=cfg.drafter.mask_token_id, seq_len=cfg.data.seq_len, rows=64,
+                 shards=4)  # fmt: skip
     subprocess.run(
         [*CLI, "smoke", "prepare", str(config), "--out", str(out), "--steps", str(args.steps),
          "--stop-at", str(args.stop_at), "--keep-last", str(args.keep_last)],

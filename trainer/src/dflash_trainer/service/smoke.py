@@ -13,64 +13,63 @@ directories of failed runs, kept for a look until the next run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
-PATH_KEYS = {
-    ("model", "target_path"),
-    ("data", "shards"),
-    ("train", "checkpoint_dir"),
-    ("trackers", "tensorboard"),
-}
-
-
-def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
-    return tomli_w.dumps(tables)
+from dflash_trainer.config import (
+    ConfigError,
+    TrackersConfig,
+    check_tables,
+    overlay,
+    path_tables,
+    read_toml,
+    to_toml,
+)
 
 
 def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int | None = None) -> Path:
-    raw = tomllib.loads(config.read_text())
-    base = config.resolve().parent
-    for section, key in PATH_KEYS:  # relative paths resolve against the original file's directory
-        value = raw.get(section, {}).get(key)
-        if isinstance(value, str) and not Path(value).is_absolute():
-            raw[section][key] = str((base / value).resolve())
+    tables = read_toml(config)
+    cfg = check_tables(tables, base=config.resolve().parent)  # the values below are the loader's
     out.mkdir(parents=True, exist_ok=True)
     for old in earlier_runs(out):
         shutil.rmtree(old, ignore_errors=True)
         print(f"smoke: removed {old} (an earlier run's work directory)", file=sys.stderr)
-    train = raw.setdefault("train", {})
-    train.update(
-        checkpoint_dir=str(out / "checkpoints"),
-        max_steps=steps,
-        checkpoint_every=max(1, stop_at * 3 // 5),  # a periodic save before the stop's own save
+    t = cfg.train
+    train: dict[str, Any] = {
+        "checkpoint_dir": str(out / "checkpoints"),
+        "max_steps": steps,
+        "checkpoint_every": max(1, stop_at * 3 // 5),  # a periodic save before the stop's own save
         # Every checkpoint of the run stays for the report, unless the caller counts disk (a GPU rehearsal).
-        keep_last=keep_last if keep_last is not None else max(int(train.get("keep_last", 3)), 5),
-        log_every=min(int(train.get("log_every", 10)), 10),
-        ema_every=min(int(train.get("ema_every", 10)), 10),
-    )
-    if int(train.get("eval_every", 0)) > steps:
+        "keep_last": keep_last if keep_last is not None else max(t.keep_last, 5),
+        "log_every": min(t.log_every, 10),
+        "ema_every": min(t.ema_every, 10),
+    }
+    if t.eval_every > steps:
         train["eval_every"] = steps
-    if int(train.get("eval_walk_prompts", 0)) > 0:
+    if t.eval_walk_prompts > 0:
         # One short walk proves the walk and its figure's way to the summary; the reference's 8 x 128 tokens
         # took 375 s on an H200 with a 27B-shaped target (GPU rehearsal run 3), too long for a smoke run.
         train["eval_walk_prompts"] = 1
-        train["eval_walk_new_tokens"] = min(int(train.get("eval_walk_new_tokens", 32)), 32)
-    trackers = {"tensorboard": str(out / "tensorboard")}
-    raw["trackers"] = trackers
-    service = raw.setdefault("service", {})
-    service["status_every"] = min(int(service.get("status_every", 10)), 10)
+        train["eval_walk_new_tokens"] = min(t.eval_walk_new_tokens, 32)
+    # Only the tensorboard directory among the trackers (wandb left out: no team dashboard).
+    trackers: dict[str, Any] = {f.name: None for f in dataclasses.fields(TrackersConfig)}
+    trackers["tensorboard"] = str(out / "tensorboard")
+    smoke = {
+        "train": train,
+        "trackers": trackers,
+        "service": {"status_every": min(cfg.service.status_every, 10)},
+    }
+    # Relative paths become the absolute ones they resolved to beside the original file.
+    tables = overlay(tables, path_tables(cfg), smoke)
     path = out / "smoke.toml"
-    path.write_text(f"# Written by `dflash-train smoke prepare {config}`.\n" + dump_toml(raw))
+    path.write_text(f"# Written by `dflash-train smoke prepare {config}`.\n" + to_toml(tables))
     return path
 
 
@@ -219,9 +218,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.stop_at < args.steps:
         parser.error("--stop-at must lie between 0 and --steps")
     if args.action == "prepare":
-        print(
-            prepare(args.config, args.out, steps=args.steps, stop_at=args.stop_at, keep_last=args.keep_last)
-        )
+        try:
+            path = prepare(
+                args.config, args.out, steps=args.steps, stop_at=args.stop_at, keep_last=args.keep_last
+            )
+        except ConfigError as e:
+            print(f"dflash-train smoke prepare: {e}", file=sys.stderr)
+            return 1
+        print(path)
         return 0
     return report(args.out, steps=args.steps, stop_at=args.stop_at, t0=args.t0)
 
