@@ -1,0 +1,51 @@
+"""What the run looks like from outside the trainer: its configuration and its checkpoints (no torch)."""
+
+from __future__ import annotations
+
+import re
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")  # checkpoint.py: complete checkpoints only
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+    mtime: float
+
+    def age_s(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.mtime)
+
+
+def train_settings(path: Path) -> dict:
+    """The [train] table of the training TOML ({} when unreadable: a message still goes out)."""
+    try:
+        return tomllib.loads(path.read_text()).get("train", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def latest_checkpoint(directory: Path) -> Checkpoint | None:
+    try:
+        names = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+    except OSError:
+        return None
+    if not names:
+        return None
+    newest = max(names, key=lambda p: p.name)
+    files = [newest, *(p for p in newest.iterdir() if p.is_file())]
+    mtime = max(p.stat().st_mtime for p in files)
+    return Checkpoint(int(_STEP_DIR.match(newest.name).group(1)), newest, mtime)
+
+
+def duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
