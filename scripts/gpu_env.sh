@@ -7,6 +7,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # writes it; L3's verify checks it), so the rehearsal keeps bytecode too, under a prefix any user can write.
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/var/tmp/dflash-pycache}
+# As the unit keeps them (hardening.j2): Triton autotune results on disk beside the kernels.
+export TRITON_CACHE_AUTOTUNING=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site

@@ -150,6 +150,9 @@ def test_compile_caches_persist(
     assert env.exists and f"{env_name}={cache}" in env.content_string, (
         f"{env_name} not in the environment file"
     )
+    assert "TRITON_CACHE_AUTOTUNING=1" in env.content_string, (
+        "TRITON_CACHE_AUTOTUNING=1 not in the environment file: FLA's autotuning would rerun at every start"
+    )
 
 
 def test_nvidia_userspace_matches_host_module(host, gpus: list[int]) -> None:

@@ -125,6 +125,15 @@ _REPEAT_GUARD = "if self.num_v_heads // self.num_k_heads > 1:"
 _NUM_K_HEADS_MENTIONS = 5
 
 
+def grouped_heads_available() -> bool:
+    """Whether `skip_qk_head_repeat` applies with this transformers (its layer source as expected and the
+    device dispatch installed): the Qwen3.5 delta rule then runs on grouped query/key heads."""
+    source = inspect.getsource(modeling_qwen3_5.Qwen3_5GatedDeltaNet)
+    if source.count("num_k_heads") != _NUM_K_HEADS_MENTIONS or _REPEAT_GUARD not in source:
+        return False
+    return all(getattr(getattr(modeling_qwen3_5, name), _MARK, False) for name in DELTA_RULE_OPS)
+
+
 def skip_qk_head_repeat(model: nn.Module) -> int:
     """Let each Qwen3.5 Gated DeltaNet layer of `model` hand grouped query/key heads to the delta rule (the
     dispatch repeats them for the torch implementation); returns how many layers changed.
@@ -134,15 +143,11 @@ def skip_qk_head_repeat(model: nn.Module) -> int:
     not install the dispatch) keeps its repeat: correct, only slower. Qwen3-Next also reads num_k_heads in
     its projection split, so it is left alone.
     """
-    layer_cls = modeling_qwen3_5.Qwen3_5GatedDeltaNet
-    source = inspect.getsource(layer_cls)
-    if source.count("num_k_heads") != _NUM_K_HEADS_MENTIONS or _REPEAT_GUARD not in source:
-        return 0
-    if not all(getattr(getattr(modeling_qwen3_5, name), _MARK, False) for name in DELTA_RULE_OPS):
+    if not grouped_heads_available():
         return 0
     changed = 0
     for layer in model.modules():
-        if isinstance(layer, layer_cls) and layer.num_v_heads > layer.num_k_heads:
+        if isinstance(layer, modeling_qwen3_5.Qwen3_5GatedDeltaNet) and layer.num_v_heads > layer.num_k_heads:
             layer.num_k_heads = layer.num_v_heads
             changed += 1
     return changed

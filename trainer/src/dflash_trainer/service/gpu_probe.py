@@ -40,12 +40,29 @@ def probe_triton() -> str:
     )
 
 
-def probe_fla(key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv: int, tokens: int) -> str:
+def heads_form(model_type: str) -> str:
+    """How the target's layers hand query/key heads to the delta rule: "grouped" for Qwen3.5 where
+    model.kernels.skip_qk_head_repeat applies, else "repeated" to the value heads (Qwen3-Next, as
+    transformers does). Each form autotunes apart (seconds each): only the one the trainer runs is probed."""
+    from dflash_trainer.model.kernels import grouped_heads_available, install_device_dispatch
+
+    install_device_dispatch()
+    return "grouped" if model_type.startswith("qwen3_5") and grouped_heads_available() else "repeated"
+
+
+def probe_fla(
+    key_heads: int,
+    value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    conv: int,
+    tokens: int,
+    forms: Sequence[str],
+) -> str:
     """The target's Gated DeltaNet kernels on its own head shapes, forward and backward-free, in bf16.
 
-    The calls the target's layers make: the chunked gated delta rule with in-kernel L2 norm on q and k grouped
-    (Qwen3.5, whose repeat model.kernels.skip_qk_head_repeat turns off) and repeated to the value heads
-    (Qwen3-Next, as transformers does), and the depthwise causal conv over q|k|v channels
+    The calls the target's layers make: the chunked gated delta rule with in-kernel L2 norm on q and k, in
+    each of `forms` ("grouped", "repeated": `heads_form`), and the depthwise causal conv over q|k|v channels
     (dflash_trainer.model.kernels swaps FLA's Triton conv in for transformers' torch fallback).
     """
     import torch
@@ -70,10 +87,8 @@ def probe_fla(key_heads: int, value_heads: int, key_dim: int, value_dim: int, co
     gate = -torch.rand(1, tokens, value_heads, device=dev, dtype=torch.float32, generator=g)
     beta = torch.rand(1, tokens, value_heads, device=dev, dtype=bf16, generator=g)
     rep = value_heads // key_heads
-    for form, (qs, ks) in (
-        ("grouped", (q, k)),
-        ("repeated", (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))),
-    ):
+    for form in forms:
+        qs, ks = (q, k) if form == "grouped" else (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))
         out, _ = chunk_gated_delta_rule(qs, ks, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
         torch.cuda.synchronize()
         if not torch.isfinite(out.float()).all():
@@ -82,8 +97,8 @@ def probe_fla(key_heads: int, value_heads: int, key_dim: int, value_dim: int, co
             )
     return (
         f"FLA gated delta rule ({key_heads} key / {value_heads} value heads of {key_dim}/{value_dim}, "
-        f"q/k grouped and repeated) and causal conv (width {conv}, {channels} channels, max error {err:.2g}) "
-        f"ran, {tokens} tokens"
+        f"q/k {' and '.join(forms)}) and causal conv (width {conv}, {channels} channels, "
+        f"max error {err:.2g}) ran, {tokens} tokens"
     )
 
 
@@ -95,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--conv", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        "--model-type", default="", help="the target's model_type: probe only the q/k head form it runs"
+    )
     args = parser.parse_args(argv)
     try:
         if args.define_only:
@@ -108,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ok: {probe_triton()}")
         else:
             shape = (args.key_heads, args.value_heads, args.key_dim, args.value_dim, args.conv, args.tokens)
-            print(f"ok: {probe_fla(*shape)}")
+            forms = [heads_form(args.model_type)] if args.model_type else ["grouped", "repeated"]
+            print(f"ok: {probe_fla(*shape, forms)}")
     except BaseException as e:  # any failure is the probe's finding, reported as one line
         traceback.print_exc()
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""

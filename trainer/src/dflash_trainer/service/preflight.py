@@ -580,24 +580,71 @@ def check_fla(ctx: Context) -> str:
     return f"flash-linear-attention {version('flash-linear-attention')} for the Gated DeltaNet layers"
 
 
+def _target_model_type(target_path: Path) -> str:
+    raw = json.loads((target_path / "config.json").read_text())
+    return str(raw.get("model_type", ""))
+
+
+def _run_probes(probes: dict[str, tuple[list[str], float]]) -> dict[str, str | RuntimeError]:
+    """Runs the probes at once (each a child process: compiling is on the CPU, the kernels are small);
+    returns each one's `ok:` line or its RuntimeError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item: tuple[list[str], float]) -> str | RuntimeError:
+        try:
+            return _probe(*item)
+        except RuntimeError as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=max(1, len(probes))) as pool:
+        return dict(zip(probes, pool.map(one, probes.values()), strict=True))
+
+
 def check_triton(ctx: Context) -> str:
+    """The GPU probes (service.gpu_probe): a Triton kernel, and a hybrid target's FLA kernels on its shape.
+    A verdict kept from an earlier passed probe with an equal key is reused (service.probe_cache); --full
+    always probes."""
+    from dflash_trainer.service import probe_cache
+
     if ctx.facts.get("device") != "cuda":
         raise Skipped("no GPU: Triton kernels run on the GPU machine")
-    try:
-        done = [_probe(probe_command("triton"), 120)]
-    except RuntimeError as e:
-        raise Failed(f"a small Triton kernel did not compile and run: {e}", probe_fix(str(e))) from None
-    if not ctx.facts.get("hybrid"):
-        return done[0]
-    cfg = ctx.need_cfg()
-    shape = hybrid_shape(cfg.model.target_path)
-    try:
-        done.append(_probe(probe_command("fla", shape=shape), 300))
-    except RuntimeError as e:
-        raise Failed(
-            f"the FLA kernels on the target's Gated DeltaNet shape failed: {e}", probe_fix(str(e))
-        ) from None
-    return "; ".join(done)
+    wanted: dict[str, tuple[list[str], float, dict[str, int] | None]] = {
+        "triton": (probe_command("triton"), 120, None)
+    }
+    if ctx.facts.get("hybrid"):
+        path = ctx.need_cfg().model.target_path
+        shape = hybrid_shape(path)
+        cmd = [*probe_command("fla", shape=shape), "--model-type", _target_model_type(path)]
+        wanted["fla"] = (cmd, 300, shape)
+    cache = probe_cache.VerdictCache(probe_cache.cache_path())
+    environment = probe_cache.environment_key()
+    keys = {name: probe_cache.probe_key(environment, shape) for name, (_c, _t, shape) in wanted.items()}
+    verdicts: dict[str, str] = {}
+    notes: list[str] = []
+    for name, key in keys.items():
+        found = cache.lookup(name, key) if not ctx.full else probe_cache.Lookup(None, "--full")
+        if found.verdict is not None:
+            verdicts[name] = found.verdict
+            notes.append(f"{name} verdict {found.why}")
+        else:
+            notes.append(f"{name} probed ({found.why})")
+    start = time.perf_counter()
+    results = _run_probes({n: (c, t) for n, (c, t, _s) in wanted.items() if n not in verdicts})
+    for name, result in results.items():
+        if isinstance(result, RuntimeError):
+            what = (
+                "a small Triton kernel did not compile and run"
+                if name == "triton"
+                else "the FLA kernels on the target's Gated DeltaNet shape failed"
+            )
+            raise Failed(f"{what}: {result}", probe_fix(str(result)))
+        verdicts[name] = result
+        problem = cache.store(name, keys[name], result)
+        if problem:
+            notes.append(problem)
+    ran = f"probes ran in {time.perf_counter() - start:.1f} s" if results else "no probe ran"
+    ctx.facts["probe_cache_hit"] = not results
+    return f"{'; '.join(verdicts[n] for n in wanted)} [{ran}: {'; '.join(notes)}]"
 
 
 def check_trackers(ctx: Context) -> str:
@@ -665,30 +712,37 @@ def _mask_token_check(ctx: Context) -> str:
     return preflight_check(ctx)
 
 
+# Cheapest first: files and figures (milliseconds), then what imports torch and asks the GPUs (seconds),
+# then the GPU probes (up to a minute and a half cold), which run only when everything before them passed.
 CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("config", check_config),
     ("model", check_model),
     ("mask", _mask_token_check),
     ("shards", check_shards),
-    ("devices", check_devices),
-    ("host-memory", check_host_memory),
     ("checkpoint-dir", check_checkpoint_dir),
     ("disk", check_disk),
     ("shm", check_shm),
-    ("memlock", check_memlock),
     ("compiler", check_compiler),
+    ("devices", check_devices),
+    ("host-memory", check_host_memory),
+    ("memlock", check_memlock),
     ("fla", check_fla),
     ("triton", check_triton),
     ("trackers", check_trackers),
 ]
+PROBES = frozenset({"triton"})
 
 
 def run_checks(
     config_path: Path, *, nproc: int | None = None, full: bool = False, nnodes: int = 1
 ) -> list[Check]:
     ctx = Context(Path(config_path), nproc, full=full, nnodes=nnodes)
-    results = []
+    results: list[Check] = []
     for name, fn in CHECKS:
+        failed = [c.name for c in results if not c.ok]
+        if name in PROBES and failed:  # the failure is reported now, not after the probes
+            results.append(Check(name, True, f"not run: {', '.join(failed)} failed first", skipped=True))
+            continue
         start = time.perf_counter()
         try:
             check = Check(name, True, fn(ctx))

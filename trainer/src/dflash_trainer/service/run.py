@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflash_trainer import startup
+from dflash_trainer.service import compile_caches
 from dflash_trainer.service.logs import rank, setup_logging
 from dflash_trainer.service.notify import Heartbeat, Notifier
 
@@ -43,6 +44,7 @@ class ServiceHooks:
         self.ready = False
         self.started = process_started()
         self.first_step_at: float | None = None
+        self.caches_at_ready = compile_caches.snapshot()  # again at READY: the first step's compiles after it
         self.first_step: int | None = None
         self.steps = 0
         self.tokens = 0
@@ -69,12 +71,15 @@ class ServiceHooks:
             since += f", {now - float(launched):.1f} s after the launcher started"
         log.info("ready: target, drafter, data and the newest checkpoint loaded on every rank; %s", since)
         log.info("start: %s", startup.breakdown(now - self.started))  # where a warm restart's seconds went
+        self.caches_at_ready = compile_caches.snapshot()
 
     def __call__(self, m) -> None:
         if not self.ready:  # the loop has no ready hook: the first finished step proves everything loaded
             self.on_ready()
         if self.first_step_at is None:
             self.first_step_at, self.first_step = time.time(), m.step
+            autotune_kept = os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"
+            log.info(compile_caches.report(self.caches_at_ready, compile_caches.snapshot(), autotune_kept))
         else:  # the first step carries warm-up (compilation, allocator); the rate leaves it out
             self.steps += 1
             self.tokens += m.seq_tokens

@@ -1,0 +1,156 @@
+"""The decode walk at a target's shape: time per verify step, where it goes, and a profile of a few steps.
+
+    python trainer/bench/bench_walk.py --target /dev/shm/dflash/model [--shape qwen3.6-27b] [--prompts 2]
+        [--new-tokens 32] [--prompt-len 256] [--profile 4] [--out walk.json]
+
+Writes the random target of `--shape` into `--target` when no complete one is there (the rehearsal's
+`dflash-train model random`), loads it whole through the trainer's own `load_target(full=True)`, builds the
+reference configuration's drafter at random (tau about 1: every block rejected, the walk's worst case) and
+runs the trainer's own `decode_walk`: a warm-up prompt, then the timed prompts. The phases (draft, verify
+forward, rollback) are timed with a device synchronisation around each; `--profile N` records N more verify
+steps with torch.profiler and prints the operators by device and host time. Figures, no assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_trainer import walk
+from dflash_trainer.config import load_config, read_target_info, validate
+from dflash_trainer.model.target import load_target
+from dflash_trainer.train.run import autocast, drafter_spec, new_drafter, training_capture
+
+REFERENCE = Path(__file__).resolve().parents[1] / "configs" / "reference.toml"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def phase_timers(totals: dict[str, float], counts: dict[str, int]) -> Iterator[None]:
+    """Wraps the walk's phases with synchronised timers (restored on exit)."""
+    cache = walk._TargetCache
+    originals: dict[str, Any] = {
+        "draft": walk._draft,
+        "forward": cache.forward,
+        "rollback": cache.rollback,
+        "snapshot": cache.snapshot,
+    }
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            totals[name] += time.perf_counter() - t0
+            counts[name] += 1
+            return out
+
+        return run
+
+    walk._draft = timed("draft", originals["draft"])  # type: ignore[assignment]
+    cache.forward = timed("forward", originals["forward"])  # type: ignore[method-assign]
+    cache.rollback = timed("rollback", originals["rollback"])  # type: ignore[method-assign]
+    cache.snapshot = timed("snapshot", originals["snapshot"])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        walk._draft = originals["draft"]
+        cache.forward = originals["forward"]  # type: ignore[method-assign]
+        cache.rollback = originals["rollback"]  # type: ignore[method-assign]
+        cache.snapshot = originals["snapshot"]  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=Path("/dev/shm/dflash/model"))
+    p.add_argument("--shape", default="qwen3.6-27b")
+    p.add_argument("--config", type=Path, default=REFERENCE)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--profile", type=int, default=0, help="verify steps to record with torch.profiler")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    if not (args.target / "MANIFEST.json").exists():
+        from dflash_trainer.model.shapes import write_random_target
+
+        t0 = time.perf_counter()
+        write_random_target(args.target, args.shape, device=device, progress=lambda _t: None)
+        print(f"random {args.shape} target written to {args.target} in {time.perf_counter() - t0:.1f} s")
+    cfg = load_config(args.config, check_paths=False)
+    validate(cfg, target=read_target_info(args.target))  # the drafter's defaults that follow the target
+    t0 = time.perf_counter()
+    target = load_target(args.target, device=device, layer_ids=cfg.drafter.target_layer_ids, full=True)
+    print(f"target loaded whole in {time.perf_counter() - t0:.1f} s")
+    # As the trainer holds it: train.target_compile's capture patches the modeling modules' kernels.
+    training_capture(target, cfg)
+    drafter = new_drafter(cfg, drafter_spec(cfg, target.config), device)
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g) for _ in range(args.prompts + 1)]
+    settings = walk.WalkSettings(max_new_tokens=args.new_tokens)
+    model = target.model
+
+    with autocast(cfg, device):
+        t0 = time.perf_counter()
+        walk.decode_walk(model, drafter, prompts[:1], settings)  # kernels, autotuning, allocator
+        warm_s = time.perf_counter() - t0
+        plain = walk.decode_walk(model, drafter, prompts[1:], settings)
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        with phase_timers(totals, counts):
+            timed = walk.decode_walk(model, drafter, prompts[1:], settings)
+        table = None
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            few = walk.WalkSettings(max_new_tokens=args.profile)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                walk.decode_walk(model, drafter, prompts[1:2], few)
+            averages = prof.key_averages()
+            table = averages.table(sort_by="cuda_time_total", row_limit=25)
+            print(table)
+            print(averages.table(sort_by="cpu_time_total", row_limit=25))
+    per_step = plain.seconds / max(1, plain.steps)
+    result = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "first_walk_s": warm_s,
+        "walk_s": plain.seconds,
+        "verify_steps": plain.steps,
+        "s_per_verify_step": per_step,
+        "tau": plain.tau,
+        "phases_s": dict(totals),
+        "phase_calls": dict(counts),
+        "timed_walk_s": timed.seconds,
+    }
+    print(json.dumps(result, indent=1))
+    print(f"decode walk: {per_step * 1000:.1f} ms per verify step ({plain.steps} steps, tau {plain.tau:.2f})")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        if table:
+            args.out.with_suffix(".profile.txt").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
