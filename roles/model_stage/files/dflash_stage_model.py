@@ -17,7 +17,9 @@ files plus the manifest. Run by dflash-stage-model.service after every boot, sin
   content check run exactly the staging of the unit.
 - While it copies or hashes, a line every 10 s says how far it is.
 
-Standard library only (it runs before any venv matters). Exit status: 0 done, 1 error (one line), 2 usage.
+Standard library only (it runs before any venv matters), and dflash_manifest.py installed beside it: the
+manifest format's one module (trainer/src/dflash_trainer/manifest.py). Exit status: 0 done, 1 error (one
+line), 2 usage.
 """
 
 from __future__ import annotations
@@ -27,16 +29,15 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 
+import dflash_manifest as manifest
+
 PROG = "dflash-stage-model"
-HEX64 = re.compile(r"^[0-9a-f]{64}$")
-CHUNK = 16 << 20
 PROGRESS_S = float(os.environ.get("DFLASH_STAGE_PROGRESS_S", "10"))  # a progress line at least this often
 CONFIG_KEYS = {"source": str, "dest": str, "manifest": str, "verify": str, "workers": int}
 
@@ -79,67 +80,13 @@ def say(msg: str) -> None:
     print(f"{PROG}: {msg}", flush=True)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def parse_manifest(path: Path) -> list[dict]:
-    """Validated entries sorted by path; StageError naming the file and the key otherwise."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StageError(f"{path}: no manifest (write one with `dflash-train manifest DIR`)") from None
-    except OSError as e:
-        raise StageError(f"{path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StageError(f"{path}: not JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
-        raise StageError(f'{path}: not a manifest (needs an object with a "files" list)')
-    if data.get("version", 1) != 1:
-        raise StageError(f"{path}: version {data.get('version')!r} is not supported (1 is)")
-    seen: set[str] = set()
-    entries = []
-    for i, e in enumerate(data["files"]):
-        if not isinstance(e, dict):
-            raise StageError(f"{path}: files[{i}] is not an object")
-        rel, size, digest = e.get("path"), e.get("size"), e.get("sha256")
-        if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
-            raise StageError(f"{path}: files[{i}].path {rel!r} is not a relative path inside the model")
-        if rel == path.name:
-            raise StageError(f"{path}: files[{i}].path {rel!r} is the manifest itself")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise StageError(f"{path}: files[{i}].size {size!r} ({rel}) is not a byte count")
-        if not isinstance(digest, str) or not HEX64.match(digest):
-            raise StageError(f"{path}: files[{i}].sha256 {digest!r} ({rel}) is not 64 lowercase hex digits")
-        if rel in seen:
-            raise StageError(f"{path}: files[{i}].path {rel!r} is listed twice")
-        seen.add(rel)
-        entries.append({"path": rel, "size": size, "sha256": digest})
-    if not entries:
-        raise StageError(f"{path}: lists no files")
-    return sorted(entries, key=lambda e: e["path"])
-
-
-def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            if progress is not None:
-                progress.add(n)
-    return h.hexdigest()
+human = manifest.human_bytes
 
 
 def copy_hashing(src: Path, dst: Path, progress: Progress | None = None) -> tuple[int, str]:
     """Copies src to dst; returns (bytes, sha256 of the bytes read), so the copy is checked with one read."""
     h = hashlib.sha256()
-    buf = bytearray(CHUNK)
+    buf = bytearray(manifest.CHUNK)
     view = memoryview(buf)
     size = 0
     make_dirs(dst.parent)
@@ -202,7 +149,9 @@ class Stager:
                 Progress(f"hashing {directory}", total) as progress,
                 concurrent.futures.ThreadPoolExecutor(self.workers) as pool,
             ):
-                digests = pool.map(lambda e: sha256_file(directory / e["path"], progress), entries)
+                digests = pool.map(
+                    lambda e: manifest.sha256_file(directory / e["path"], progress.add), entries
+                )
                 for e, d in zip(entries, digests, strict=True):
                     if d != e["sha256"]:
                         out.append(f"{directory / e['path']}: sha256 differs from the manifest")
@@ -224,7 +173,7 @@ class Stager:
 
     def run(self, check_only: bool) -> int:
         manifest_path = self.source / self.manifest_name
-        entries = parse_manifest(manifest_path)
+        entries = manifest.read_manifest(manifest_path)
         manifest_bytes = manifest_path.read_bytes()  # copied byte for byte: its sha256 is pinned
         need = sum(e["size"] for e in entries)
         mode = "size and sha256 checked" if self.full else "size checked"
@@ -356,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isabs(args.source):
             raise StageError(f"source {args.source!r}: must be an absolute path")
         return Stager(args).run(args.check)
-    except StageError as e:
+    except (StageError, manifest.ManifestError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1
 

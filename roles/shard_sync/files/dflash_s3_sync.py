@@ -17,7 +17,9 @@ with MANIFEST.json is complete), and the tool's own dot files (.dflash-sync.json
 
 Credentials come from AWS_SHARED_CREDENTIALS_FILE (a root-only file), never from the command line; every
 S3 request, the manifest's GET included, goes through awscli and its signer.
-Standard library only: it runs on a bare Debian python3. Exit status: 0 done, 1 error (one line), 2 usage.
+Standard library only: it runs on a bare Debian python3, with dflash_manifest.py installed beside it (the
+manifest format's one module, trainer/src/dflash_trainer/manifest.py). Exit status: 0 done, 1 error (one
+line), 2 usage.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ import threading
 import time
 from pathlib import Path
 
+import dflash_manifest as manifest
+
 PROG = "dflash-s3-sync"
-STATE_NAME = ".dflash-sync.json"
-LOCK_NAME = ".dflash-sync.lock"
-HEX64 = re.compile(r"^[0-9a-f]{64}$")
-CHUNK = 8 << 20
+# Its own files in the directory: names the manifest format reserves (manifest.RESERVED).
+STATE_NAME = manifest.RESERVED + ".json"
+LOCK_NAME = manifest.RESERVED + ".lock"
+HEX64 = manifest.HEX64
 FETCH_ATTEMPTS = 2
 
 
@@ -52,55 +56,8 @@ def say(msg: str) -> None:
     print(f"{PROG}: {msg}", flush=True)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def parse_manifest(text: str, where: str) -> list[dict]:
-    """Validated entries of a manifest, sorted by path; SyncError naming `where` and the key otherwise."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SyncError(f"{where}: not JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
-        raise SyncError(f'{where}: not a manifest (needs an object with a "files" list)')
-    if data.get("version", 1) != 1:
-        raise SyncError(f"{where}: version {data.get('version')!r} is not supported (1 is)")
-    seen: set[str] = set()
-    entries = []
-    for i, entry in enumerate(data["files"]):
-        if not isinstance(entry, dict):
-            raise SyncError(f"{where}: files[{i}] is not an object")
-        path, size, digest = entry.get("path"), entry.get("size"), entry.get("sha256")
-        if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
-            raise SyncError(f"{where}: files[{i}].path {path!r} is not a relative path inside the prefix")
-        if path.split("/")[-1].startswith(".dflash-sync") or path == "MANIFEST.json":
-            raise SyncError(f"{where}: files[{i}].path {path!r} is a name this tool reserves")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise SyncError(f"{where}: files[{i}].size {size!r} ({path}) is not a byte count")
-        if not isinstance(digest, str) or not HEX64.match(digest):
-            raise SyncError(f"{where}: files[{i}].sha256 {digest!r} ({path}) is not 64 lowercase hex digits")
-        if path in seen:
-            raise SyncError(f"{where}: files[{i}].path {path!r} is listed twice")
-        seen.add(path)
-        entries.append({"path": path, "size": size, "sha256": digest})
-    if not entries:
-        raise SyncError(f"{where}: lists no files")
-    return sorted(entries, key=lambda e: e["path"])
+human = manifest.human_bytes
+sha256_file = manifest.sha256_file
 
 
 class Aws:
@@ -348,11 +305,7 @@ class Syncer:
     def run(self) -> int:
         raw = self.aws.read(self.manifest_uri)
         check_pin(raw, self.manifest_uri, self.args.manifest_sha256)
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError as e:
-            raise SyncError(f"{self.manifest_uri}: not UTF-8 text ({e})") from None
-        entries = parse_manifest(text, self.manifest_uri)
+        entries = manifest.parse_manifest(raw, self.manifest_uri, name=self.args.manifest)
         manifest_bytes = raw  # kept verbatim: the trainer's preflight checks its sha256 against the pin again
         total = sum(e["size"] for e in entries)
         if self.args.dry_run and not self.dest.exists():
@@ -474,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"manifest's sha256, pinned in the inventory (sha256sum MANIFEST.json)"
             )
         return Syncer(args).run()
-    except SyncError as e:
+    except (SyncError, manifest.ManifestError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
