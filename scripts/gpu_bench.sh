@@ -55,4 +55,12 @@ if want target; then
     eager eager-plain compiled-mlp graph graph-plain graph-mlp graph-mlp-norm}
   tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
 fi
-want gputests && run gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu trainer/tests trainer/tests/test_model_attention_paths.py
+# Every GPU-marked test in one call (-v: each test's name is printed when it starts, so one that outlives the
+# limit is named below). 480 s: the tests took 150 s for the first 9 of them on one H200.
+if want gputests; then
+  run gputests "${GPU_TESTS_LIMIT:-480}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=15 trainer/tests
+  last=$(grep -E '^trainer/tests/.*::' "$OUT/gputests.log" | tail -n 1)
+  if [ -n "$last" ] && ! grep -qE '(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' <<<"$last"; then
+    echo "=== gputests: timed out in ${last%% *} (the limit: GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-480} s)"
+  fi
+fi
