@@ -23,6 +23,8 @@ kernels on CUDA), then times `capture` on one --seq-len sequence for each --vari
   trainer-compiled   the trainer's train.target_compile forward (CompiledCapture: layers compiled with
                      dynamic shapes, FLA opaque, projections fused, swapped in per call; no CUDA graph)
   trainer-compiled-unfused  the same without the fused projections
+  trainer-graphed    what train.target_compile runs on CUDA: trainer-compiled replayed from a CUDA graph per
+                     row-length bucket (GraphedCapture; trainer-graphed-plain: its plain forward)
 Each row: median ms (wall, synchronised), ms per call of --steps calls queued back to back with one sync at
 the end (`pipelined_ms`: how a target rank runs them, one forward after the other), the host's enqueue time
 of one call (no sync: when it is close to the wall time, the forward is bound by launching kernels),
@@ -70,6 +72,7 @@ from dflash_trainer.method.layers import target_layer_ids
 from dflash_trainer.model.shapes import SHAPES, write_random_target
 from dflash_trainer.model.target import (
     CompiledCapture,
+    GraphedCapture,
     GraphedForward,
     TargetModel,
     compile_layers,
@@ -110,6 +113,9 @@ VARIANTS: dict[str, Variant] = {
     "graph-plain-layers-fused": Variant("layers-opaque", graph=True, capture=False, fuse=True),
     "trainer-compiled": Variant(trainer=True, fuse=True),
     "trainer-compiled-unfused": Variant(trainer=True),
+    # What train.target_compile runs on CUDA: the compiled layers replayed from a CUDA graph (GraphedCapture).
+    "trainer-graphed": Variant(trainer=True, fuse=True, graph=True),
+    "trainer-graphed-plain": Variant(trainer=True, fuse=True, graph=True, capture=False),
 }
 # The fastest of 2026-12-02 (graph-layers-opaque) and the fused projections, each with its plain forward,
 # beside eager; the trainer's compiled forward with and without the fusion.
@@ -122,12 +128,15 @@ DEFAULT_VARIANTS = [
     "graph-plain-layers-fused",
     "trainer-compiled-unfused",
     "trainer-compiled",
+    "trainer-graphed",
+    "trainer-graphed-plain",
 ]
 OVERHEAD_PAIRS = (  # capture against the plain forward
     ("eager", "eager-plain"),
     ("graph", "graph-plain"),
     ("graph-layers-opaque", "graph-plain-layers-opaque"),
     ("graph-layers-fused", "graph-plain-layers-fused"),
+    ("trainer-graphed", "trainer-graphed-plain"),
 )
 
 TARGET_KERNEL_KINDS = (  # before bench_drafter's kinds: the target's own kernels
@@ -169,7 +178,14 @@ def variant_forward(target: TargetModel, variant: Variant, ids: torch.Tensor) ->
     """One call of the variant's forward on `ids`; a graph is captured here (its warm-up included)."""
     if variant.trainer:
         compiled = CompiledCapture(target, fuse=variant.fuse)
-        return lambda: compiled(ids).context
+        if not variant.graph:
+            return lambda: compiled(ids).context
+        if variant.capture:
+            graphed = GraphedCapture(compiled)
+            return lambda: graphed(ids).context
+        with compiled.swapped_in():
+            plain = GraphedForward(plain_forward(target, unpadded_masks(target.config)), ids)
+        return functools.partial(plain, ids)
     if not variant.graph:
         if variant.capture:
             return lambda: target.capture(ids).context

@@ -8,7 +8,9 @@ from transformers import PretrainedConfig
 from dflash_trainer.model.target import (
     COMPILE_SCOPES,
     CompiledCapture,
+    GraphedCapture,
     GraphedForward,
+    bucket_length,
     compile_layers,
     graph_features,
     load_target,
@@ -145,3 +147,56 @@ def test_compiled_capture_with_inductor_and_fla_on_cuda(tiny_target, kind: str) 
     pytest.importorskip("fla")
     target = load_target(tiny_target(kind), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
     _compiled_capture_matches(target, "inductor", 1e-4)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_right_padding_leaves_the_real_tokens_features_as_they_were(tiny_target, kind: str) -> None:
+    """What GraphedCapture's buckets rely on: every layer is causal, so tokens appended after a row change
+    nothing before them (attention, the Gated DeltaNet recurrence and its causal conv)."""
+    target = load_target(tiny_target(kind), layer_ids=LAYER_IDS)
+    ids = tiny_token_ids(3, (1, 21))
+    expected = target.unpadded_features(ids)
+    padded = torch.nn.functional.pad(ids, (0, bucket_length(21, 16) - 21))
+    assert padded.shape == (1, 32)
+    torch.testing.assert_close(target.unpadded_features(padded)[:, :21], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bucket_length_rounds_up_to_the_bucket() -> None:
+    assert [bucket_length(n, 256) for n in (1, 256, 257, 3072)] == [256, 256, 512, 3072]
+
+
+def test_graphed_capture_off_cuda_is_the_compiled_capture(tiny_target) -> None:
+    target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS)
+    ids = tiny_token_ids(0)
+    graphed = GraphedCapture(CompiledCapture(target, backend="aot_eager"), bucket=16)
+    torch.testing.assert_close(graphed(ids).context, target.capture(ids).context, rtol=1e-5, atol=1e-5)
+    assert not graphed.graphs
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_graphed_capture_equals_capture_per_bucket_on_cuda(tiny_target, kind: str) -> None:
+    """train.target_compile's forward on CUDA: one graph per bucket, replays equal to the eager capture at
+    every length, outputs that outlive the next replay, padded batches through the compiled forward."""
+    pytest.importorskip("fla")
+    target = load_target(tiny_target(kind), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)
+    graphed = GraphedCapture(CompiledCapture(target), bucket=16)
+    kept = []
+    for seed, length in enumerate((21, 30, 9, 24)):
+        ids = tiny_token_ids(seed, (1, length)).cuda()
+        out = graphed(ids)
+        assert out.context.shape[:2] == (1, length)
+        kept.append((out.context, target.capture(ids).context))
+    assert sorted(graphed.graphs) == [(1, 16), (1, 32)]
+    for got, want in kept:  # each output is its own copy: later replays did not overwrite it
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ids = tiny_token_ids(7).cuda()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 12:] = False
+    torch.testing.assert_close(
+        graphed(ids, mask).context, target.capture(ids, mask).context, rtol=1e-4, atol=1e-4
+    )
+    assert len(graphed.graphs) == 2  # the padded batch took no graph
+    torch._dynamo.reset()

@@ -100,12 +100,14 @@ def autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractConte
 
 def training_capture(target: Any, cfg: TrainConfig) -> Callable[..., TargetBatch]:
     """The target forward of a training step: `target.capture`, or with train.target_compile its compiled
-    layers (model.target.CompiledCapture); the walk and the held-out figures call `target.capture` itself."""
+    layers (model.target.CompiledCapture), on CUDA replayed from a CUDA graph per row-length bucket
+    (model.target.GraphedCapture); the walk and the held-out figures call `target.capture` itself."""
     if not cfg.train.target_compile:
         return target.capture
-    from dflash_trainer.model.target import CompiledCapture
+    from dflash_trainer.model.target import CompiledCapture, GraphedCapture
 
-    return CompiledCapture(target, backend=cfg.train.compile_backend)
+    compiled = CompiledCapture(target, backend=cfg.train.compile_backend)
+    return GraphedCapture(compiled) if target.device.type == "cuda" else compiled
 
 
 def objective_config(cfg: TrainConfig) -> ObjectiveConfig:
