@@ -1,4 +1,5 @@
-"""Loopback daemons of the lab: fakepve (the Proxmox API double) and moto's S3 server.
+"""Loopback daemons of the lab: fakepve (the Proxmox API double), moto's S3 server and the alerts' webhook
+receiver.
 
 Each runs in its own session with a pid file and a log under lab_dir; `up` starts what is down,
 restarts what is up but not answering, and refuses a port that another process holds.
@@ -111,8 +112,37 @@ def s3(settings: LabSettings) -> Daemon:
     )
 
 
+def webhook(settings: LabSettings) -> Daemon:
+    """The training alerts' endpoint (lab/webhook_receiver.py): the lab CT shares this machine's network."""
+    from lab import webhook_receiver as wr
+
+    return Daemon(
+        name="webhook",
+        argv=[
+            sys.executable,
+            "-m",
+            "lab.webhook_receiver",
+            str(webhook_log(settings)),
+            "--host",
+            wr.HOST,
+            "--port",
+            str(wr.PORT),
+        ],
+        host=wr.HOST,
+        port=wr.PORT,
+        url=f"http://{wr.HOST}:{wr.PORT}/",
+        port_key="trainer_alerts_webhook_url",
+        signature="lab.webhook_receiver",
+        prepare=lambda: {"PYTHONPATH": str(REPO)},
+    )
+
+
+def webhook_log(settings: LabSettings) -> Path:
+    return settings.lab_dir / "webhook" / "received.jsonl"
+
+
 def daemons(settings: LabSettings) -> list[Daemon]:
-    return [fakepve(settings), s3(settings)]
+    return [fakepve(settings), s3(settings), webhook(settings)]
 
 
 def _pidfile(settings: LabSettings, d: Daemon) -> Path:

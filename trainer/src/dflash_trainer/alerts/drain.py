@@ -120,13 +120,16 @@ def handle(
     elif kind == "recovered":
         previous = st.data.get("last_failure") or {}
         note = "training again after: " + previous.get("summary", "a failure")
+    step = last_step(lines) if lines else st.data.get("last_step")
+    if kind == "recovered" and checkpoint is not None:
+        step = checkpoint.step  # where the new start resumed
     msg = message.build(
         kind,
         unit=unit,
         host=settings.host,
         ct=settings.ct,
         cause=cause,
-        step=last_step(lines) if lines else st.data.get("last_step"),
+        step=step,
         max_steps=train.get("max_steps"),
         checkpoint=checkpoint,
         restarts=int(restarts) if restarts.isdigit() else None,
