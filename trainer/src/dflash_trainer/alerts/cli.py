@@ -5,6 +5,8 @@ hook start|stop|failure   from the unit (ExecStartPost=, ExecStopPost=, the OnFa
 drain                     dflash-alert.service: every spooled event to the webhook
 test                      one test message through the configured webhook (checks the URL and the format)
 classify                  the cause of the unit's last stop, as the drain would tell it
+follow                    dflash-alert-watch.service: stall/slowdown/stale-checkpoint alerts, metrics textfile
+status                    the unit on one screen (make status)
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("drain", help="send every spooled event")
     sub.add_parser("test", help="send a test message")
     sub.add_parser("classify", help="print the cause of the unit's last stop")
+    sub.add_parser("follow", help="follow the journal: stall/slowdown alerts and the metrics textfile")
+    sub.add_parser("status", help="the unit on one screen")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
@@ -82,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dflash_trainer.alerts.drain import drain
 
         drain(settings, _send(settings))
+        return 0
+    if args.command == "follow":
+        from dflash_trainer.alerts.follow import follow
+
+        follow(settings)
+        return 1  # journalctl ended: systemd restarts the watch
+    if args.command == "status":
+        from dflash_trainer.alerts.status import report
+
+        print(report(settings))
         return 0
     if args.command == "test":
         post = poster(settings)

@@ -55,6 +55,8 @@ def decide(event: dict[str, Any], st: State, cause: Cause | None) -> str | None:
     """Which message an event makes, if any (pure, given the state)."""
     hook, result = event["hook"], event.get("result", "")
     last = st.data.get("last_event")
+    if hook == "watch":
+        return event.get("event") if event.get("event") in ("stalled", "slow", "no_checkpoint") else None
     if hook == "start":
         return "recovered" if last in ("failed", "gave_up") else None
     if hook == "failure":
@@ -76,7 +78,9 @@ def handle(
     read = read or journal.entries
     prop = prop or unit_property
     unit, invocation, result = event["unit"], event.get("invocation", ""), event.get("result", "")
-    if event["hook"] == "start":
+    if event["hook"] == "watch":  # follow.py: stalled, slow, no_checkpoint (once per episode already)
+        key = f"watch:{event.get('event')}:{event.get('time')}"
+    elif event["hook"] == "start":
         key = f"start:{invocation}"
     elif event["hook"] == "failure" and decide(event, st, None) == "gave_up":
         key = f"gave_up:{invocation}"
@@ -105,7 +109,8 @@ def handle(
             detail=cause.detail,
         )
     if kind is None:
-        st.data["last_event"] = "started"
+        if event["hook"] == "start":
+            st.data["last_event"] = "started"
         return None
     train = train_settings(settings.train_config)
     ckpt_dir = train.get("checkpoint_dir")
@@ -120,7 +125,9 @@ def handle(
     elif kind == "recovered":
         previous = st.data.get("last_failure") or {}
         note = "training again after: " + previous.get("summary", "a failure")
-    step = last_step(lines) if lines else st.data.get("last_step")
+    step = last_step(lines) if lines else event.get("step", st.data.get("last_step"))
+    if event["hook"] == "watch":
+        note = event.get("what", "")
     if kind == "recovered" and checkpoint is not None:
         step = checkpoint.step  # where the new start resumed
     msg = message.build(
@@ -136,7 +143,8 @@ def handle(
         note=note,
     )
     st.mark(key)
-    st.data["last_event"] = kind
+    if event["hook"] != "watch":  # a warning does not change what "recovered" follows
+        st.data["last_event"] = kind
     if msg["step"] is not None:
         st.data["last_step"] = msg["step"]
     if kind in ("failed", "gave_up") and cause is not None:
