@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile", type=int, default=0, help="verify steps to record with torch.profiler")
+    p.add_argument("--rollbacks", nargs="+", default=["recorded", "rerun"], choices=["recorded", "rerun"])
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,47 +105,54 @@ def main(argv: list[str] | None = None) -> int:
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g) for _ in range(args.prompts + 1)]
-    settings = walk.WalkSettings(max_new_tokens=args.new_tokens)
     model = target.model
-
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "rollbacks": {},
+    }
     with autocast(cfg, device):
         t0 = time.perf_counter()
-        walk.decode_walk(model, drafter, prompts[:1], settings)  # kernels, autotuning, allocator
-        warm_s = time.perf_counter() - t0
-        plain = walk.decode_walk(model, drafter, prompts[1:], settings)
-        totals: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        with phase_timers(totals, counts):
-            timed = walk.decode_walk(model, drafter, prompts[1:], settings)
+        warm = walk.WalkSettings(max_new_tokens=args.new_tokens, rollback=args.rollbacks[0])
+        walk.decode_walk(model, drafter, prompts[:1], warm)  # kernels, autotuning, allocator
+        result["first_walk_s"] = time.perf_counter() - t0
+        for mode in args.rollbacks:  # side by side, in one process
+            settings = walk.WalkSettings(max_new_tokens=args.new_tokens, rollback=mode)
+            plain = walk.decode_walk(model, drafter, prompts[1:], settings)
+            totals: dict[str, float] = defaultdict(float)
+            counts: dict[str, int] = defaultdict(int)
+            with phase_timers(totals, counts):
+                timed = walk.decode_walk(model, drafter, prompts[1:], settings)
+            per_step = plain.seconds / max(1, plain.steps)
+            result["rollbacks"][mode] = {
+                "walk_s": plain.seconds,
+                "verify_steps": plain.steps,
+                "ms_per_verify_step": per_step * 1000,
+                "tau": plain.tau,
+                "output_ids": [w.output_ids[0, -args.new_tokens :].tolist() for w in plain.walks],
+                "phases_s": dict(totals),
+                "phase_calls": dict(counts),
+                "timed_walk_s": timed.seconds,
+            }
+            print(f"decode walk, rollback {mode}: {per_step * 1000:.1f} ms per verify step "
+                  f"({plain.steps} steps, tau {plain.tau:.2f}); phases {dict(totals)}")  # fmt: skip
+        outputs = {m: r.pop("output_ids") for m, r in result["rollbacks"].items()}
+        result["same_output"] = len({json.dumps(o) for o in outputs.values()}) == 1
         table = None
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            few = walk.WalkSettings(max_new_tokens=args.profile)
+            few = walk.WalkSettings(max_new_tokens=args.profile, rollback=args.rollbacks[0])
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 walk.decode_walk(model, drafter, prompts[1:2], few)
             averages = prof.key_averages()
             table = averages.table(sort_by="cuda_time_total", row_limit=25)
             print(table)
             print(averages.table(sort_by="cpu_time_total", row_limit=25))
-    per_step = plain.seconds / max(1, plain.steps)
-    result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "prompt_len": args.prompt_len,
-        "first_walk_s": warm_s,
-        "walk_s": plain.seconds,
-        "verify_steps": plain.steps,
-        "s_per_verify_step": per_step,
-        "tau": plain.tau,
-        "phases_s": dict(totals),
-        "phase_calls": dict(counts),
-        "timed_walk_s": timed.seconds,
-    }
     print(json.dumps(result, indent=1))
-    print(f"decode walk: {per_step * 1000:.1f} ms per verify step ({plain.steps} steps, tau {plain.tau:.2f})")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         if table:

@@ -9,9 +9,13 @@ over prompts; the pooled mean (every step weighted alike) is reported too.
 
 Lossless by construction: the target's cache is rolled back exactly after a rejection. Attention KV is cut
 to the accepted length; the Gated DeltaNet layers of hybrid targets (Qwen3.5/3.6, Qwen3-Next) carry a
-recurrent and a conv state that cannot be cut, so they are snapshotted before the verify forward, restored,
-and the accepted tokens are run again. (dflash 0.1.0's crop rewinds only the conv state: on a hybrid target
-it leaks rejected drafts into the recurrent state.)
+recurrent and a conv state that cannot be cut. Their states before the verify forward are kept, and the
+forward's own inputs to each layer's conv and delta rule are recorded; the states after the accepted tokens
+are then the conv window over the kept inputs and one delta-rule step over the accepted tokens from the kept
+recurrent state (what serving engines do), not a second forward of the 27B target ("recorded"). "rerun"
+restores the states and runs the accepted tokens through the whole target again: the same states, a second
+forward per rejection. (dflash 0.1.0's crop rewinds only the conv state: on a hybrid target it leaks rejected
+drafts into the recurrent state.)
 
 The drafter is re-run over the whole context each step (no drafter KV cache): the same arithmetic as dflash's
 cached drafter, and cheap next to the target's verify forward at evaluation lengths.
@@ -19,10 +23,12 @@ cached drafter, and cheap next to the target's verify forward at evaluation leng
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,6 +37,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
+from dflash_trainer.model.kernels import DELTA_RULE_OPS
+
+RECURRENT_OP = "torch_recurrent_gated_delta_rule"
+Rollback = Literal["recorded", "rerun"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class WalkSettings:
     # Called after every verify step with what the walk is doing (the service keeps systemd's watchdog fed and
     # the journal informed: on the reference target an evaluation's walk ran 375 s, past WatchdogSec=300).
     progress: Callable[[str], None] | None = field(default=None, compare=False)
+    # How a hybrid target's Gated DeltaNet states are rolled back after a rejection (module docstring).
+    rollback: Rollback = "recorded"
 
 
 @dataclass
@@ -105,10 +117,58 @@ def prompts_from_rows(
     return prompts
 
 
+@dataclass
+class _DeltaRuleCall:
+    """One layer's delta rule in a verify forward: its inputs, and the module's recurrent form to redo it."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    recurrent: Callable[..., Any]
+
+
+class _DeltaRuleRecorder:
+    """Records every delta-rule call of the hybrid modelling modules while `calls` is a list (in call order:
+    the order of the layers). Installed for a walk, removed after it."""
+
+    def __init__(self) -> None:
+        self.calls: list[_DeltaRuleCall] | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+        from transformers.models.qwen3_next import modeling_qwen3_next
+
+        patched = []
+        for module in (modeling_qwen3_5, modeling_qwen3_next):
+            recurrent = getattr(module, RECURRENT_OP, None)
+            for name in DELTA_RULE_OPS:
+                fn = getattr(module, name, None)
+                if fn is not None and recurrent is not None:
+                    patched.append((module, name, fn))
+                    setattr(module, name, self._recording(fn, recurrent))
+        try:
+            yield
+        finally:
+            for module, name, fn in reversed(patched):
+                setattr(module, name, fn)
+
+    def _recording(self, fn: Callable[..., Any], recurrent: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # the device dispatch's marks (its __dict__) stay readable
+        def record(*args: Any, **kwargs: Any) -> Any:
+            if self.calls is not None:
+                self.calls.append(_DeltaRuleCall(args, kwargs, recurrent))
+            return fn(*args, **kwargs)
+
+        return record
+
+
+_recorder = _DeltaRuleRecorder()
+
+
 class _TargetCache:
     """The target's DynamicCache with an exact rollback for attention and Gated DeltaNet layers."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, rollback: Rollback = "recorded") -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         layers = self.cache.layers
@@ -117,7 +177,37 @@ class _TargetCache:
         self.linear = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.attention = [layer for layer in layers if isinstance(layer, DynamicLayer)]
         self.length = 0
+        self.rollback_mode = rollback
         self._saved: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, bool]]] = []
+        # The verify forward's inputs to each linear layer's conv (by layer) and delta rule (in layer order).
+        self._conv_inputs: dict[int, torch.Tensor] = {}
+        self._calls: list[_DeltaRuleCall] = []
+        self._recording = False
+        if rollback == "recorded":
+            for layer in self.linear:
+                layer.update_conv_state = self._conv_recorder(layer, layer.update_conv_state)
+
+    def _conv_recorder(self, layer: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+        def record(conv_states: torch.Tensor, state_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+            if self._recording and state_idx == 0:
+                self._conv_inputs[id(layer)] = conv_states
+            return update(conv_states, state_idx, *args, **kwargs)
+
+        return record
+
+    def verify(self, block: torch.Tensor) -> Any:
+        """The verify forward of a drafted block, with what a rollback needs kept (hybrid targets)."""
+        if not self.linear:
+            return self.forward(block)
+        self.snapshot()
+        if self.rollback_mode == "rerun":
+            return self.forward(block)
+        self._conv_inputs, self._calls = {}, []
+        self._recording, _recorder.calls = True, self._calls
+        try:
+            return self.forward(block)
+        finally:
+            self._recording, _recorder.calls = False, None
 
     def forward(self, ids: torch.Tensor, *, logits_to_keep: int = 0, features: bool = True) -> Any:
         out = self.model(
@@ -155,6 +245,11 @@ class _TargetCache:
             self._cut_attention(start + keep)
             self.length = start + keep
             return
+        if self._recorded_complete():
+            self._cut_attention(start + keep)
+            self._redo_linear_states(keep)
+            self.length = start + keep
+            return
         # A recurrent state after `keep` of the block's tokens never existed: restore the state before the
         # block and run the kept tokens again.
         self._cut_attention(start)
@@ -166,6 +261,38 @@ class _TargetCache:
             layer.has_previous_state.update(prev)
         self.length = start
         self.forward(tokens[:, :keep], logits_to_keep=1, features=False)
+
+    def _recorded_complete(self) -> bool:
+        """Whether the verify forward recorded one conv input and one delta-rule call per linear layer with
+        a single state each (else the rollback runs the tokens again: exact, a forward slower)."""
+        return (
+            self.rollback_mode == "recorded"
+            and len(self._calls) == len(self.linear)
+            and all(id(layer) in self._conv_inputs for layer in self.linear)
+            and all(len(conv) == 1 and len(rec) == 1 for conv, rec, _prev in self._saved)
+        )
+
+    def _redo_linear_states(self, keep: int) -> None:
+        """Each linear layer's states after the block's first `keep` tokens, from its states before the block
+        and the verify forward's own inputs: the conv window over the kept inputs, and the delta rule's
+        recurrent form over the kept tokens from the kept recurrent state."""
+        for layer, (conv, rec, _prev), call in zip(self.linear, self._saved, self._calls, strict=True):
+            before = conv[0]
+            window = torch.cat([before, self._conv_inputs[id(layer)][..., :keep]], dim=-1)
+            layer.conv_states[0].copy_(window[..., -before.shape[-1] :])
+            query, key, value = call.args[:3]
+            kw = call.kwargs
+            _out, state = call.recurrent(
+                query[:, :keep],
+                key[:, :keep],
+                value[:, :keep],
+                g=kw["g"][:, :keep],
+                beta=kw["beta"][:, :keep],
+                initial_state=rec[0],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
+            )
+            layer.recurrent_states[0].copy_(state)
 
 
 def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -206,7 +333,7 @@ def walk_prompt(
     out = torch.full((1, max_length + 1), spec.mask_token_id, dtype=torch.long, device=device)
     stops = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
 
-    target = _TargetCache(model)
+    target = _TargetCache(model, settings.rollback)
     prefill = target.forward(input_ids, logits_to_keep=1)
     out[:, :n_in] = input_ids
     out[:, n_in] = prefill.logits[:, -1].argmax(dim=-1)
@@ -221,9 +348,7 @@ def walk_prompt(
         block = out[:, start : start + size].clone()
         if size > 1:
             block[:, 1:] = _draft(drafter, embed, head, context, block)
-        if target.linear:
-            target.snapshot()
-        verify = target.forward(block)
+        verify = target.verify(block)
         posterior = verify.logits.argmax(dim=-1)
         accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum(dim=1)[0])
         out[:, start : start + accepted + 1] = block[:, : accepted + 1]
@@ -286,7 +411,7 @@ def decode_walk(
         _sync(device)
         t0 = time.perf_counter()
         # Layers compiled in place for training (train.compile) would recompile for every context length.
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), _recorder.installed():
             walks = [
                 walk_prompt(model, draft, p, settings, label=f" prompt {i} of {len(prompts)}")
                 for i, p in enumerate(prompts, 1)
