@@ -451,6 +451,15 @@ def walks(cfg: TrainConfig) -> bool:
     return cfg.train.eval_walk_prompts > 0 and cfg.data.held_out > 0
 
 
+def eval_share(seconds: float, trained_s: float) -> str:
+    """An evaluation's cost as the operator weighs it: its seconds and its share of the time since the last
+    one (training and evaluation together)."""
+    if trained_s <= 0:
+        return f"{seconds:.1f} s"
+    total = seconds + trained_s
+    return f"{seconds:.1f} s, {100 * seconds / total:.1f} % of the {total:.0f} s since the last"
+
+
 # Every evaluation a TargetSide runs, in order; each returns figures (merged, logged, sent to the trackers as
 # eval/<name>). Append a hook here to add one (it runs on target rank 0, or in the single process).
 EVAL_HOOKS: list[EvalHook] = [held_out_figures, walk_figures]
@@ -477,6 +486,8 @@ class TargetSide:
         self.eval_hooks: list[EvalHook] = list(EVAL_HOOKS) if self.evaluates else []
         # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
         self.progress: Callable[[str], None] = lambda _text: None
+        # Training time since the first forward or the last evaluation: an evaluation's share of the run.
+        self._trained_since: float | None = None
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -487,6 +498,8 @@ class TargetSide:
         return self.rows(item).to(self.device)
 
     def forward(self, batch: Batch) -> TargetBatch:
+        if self._trained_since is None:
+            self._trained_since = time.perf_counter()
         with autocast(self.cfg, self.device):
             out = self.capture(batch.input_ids, batch.attention_mask, batch.loss_mask)
         return TargetBatch(out.input_ids, out.loss_mask, out.context.to(self.setup.dtype))
@@ -497,6 +510,7 @@ class TargetSide:
             progress=lambda text: self.progress(f"evaluation at step {step}: {text}"),
         )  # fmt: skip
         figures: dict[str, float] = {}
+        started = time.perf_counter()
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
         try:
@@ -511,9 +525,13 @@ class TargetSide:
                     figures[f"{hook.__name__}_failed"] = 1.0
         finally:
             drafter.train(was_training)
+        seconds = time.perf_counter() - started
+        trained = started - self._trained_since if self._trained_since is not None else 0.0
+        self._trained_since = time.perf_counter()
         if figures:
             shown = " ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.startswith("acc_"))
             log.info("evaluation at step %d: %s", step, shown)
+            log.info("evaluation at step %d took %s", step, eval_share(seconds, trained))
         return figures
 
 
