@@ -1,32 +1,75 @@
 #!/usr/bin/env bash
-# What the operator waits for on a lent GPU machine, measured with the service's own entry points:
-#   device run (carry .whl: flash-linear-attention + fla-core wheels):  bash scripts/gpu_seconds.sh [SECTION...]
-#   sections: probe (the preflight's GPU probes cold, then warm with their verdict and autotune caches),
-#             walk (the decode walk at the reference shape: ms per verify step, its phases, a profile)
-# Results: $OUT/*.log and *.json. The random target stays in /dev/shm/dflash/model (the rehearsal's place).
+# What the operator waits for on a lent GPU machine, each figure beside its previous value in one run, with the
+# service's own entry points. Detached, so that it outlives the device tool's 10-minute limit per command:
+#   device run (carry .whl and .old):  bash scripts/gpu_seconds.sh start [SECTION...]   # returns at once
+#   device run:                        bash scripts/gpu_seconds.sh poll [SECONDS]       # until the end or SECONDS
+# .whl: the flash-linear-attention and fla-core wheels. .old/trainer/src: the trainer's source before the change
+# (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
+# Sections, in this order (default: all):
+#   walk       the decode walk at the reference shape: ms per verify step, recorded rollback against rerun
+#   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
+#   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
+#   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
+#              then with it removed (an idle host)
+#   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
+# Results: $OUT/*.log and *.json (walk.json, preflight.json, target.json, session.log).
 set -u
-OUT=${OUT:-/tmp/gpu-seconds}
-mkdir -p "$OUT"
-source "$(dirname "$0")/gpu_env.sh"
-sections=${*:-probe walk}
-want() { [[ " $sections " == *" $1 "* ]]; }
-
-if want probe; then
-  cache=$(mktemp -d /var/tmp/dflash-probe-cache.XXXXXX)
-  shape=(--key-heads 16 --value-heads 48 --key-dim 128 --value-dim 128 --conv 4)
-  for run in cold warm; do
-    for probe in triton fla; do
-      start=$(date +%s.%N)
-      args=(); [ "$probe" = fla ] && args=("${shape[@]}")
-      TRITON_CACHE_DIR=$cache/triton TRITON_CACHE_AUTOTUNING=1 XDG_CACHE_HOME=$cache \
-        timeout 300 python3 -m dflash_trainer.service.gpu_probe "$probe" "${args[@]}" 2>&1 | tail -n 1
-      echo "probe $probe $run: $(echo "$(date +%s.%N) - $start" | bc) s"
-    done
-  done 2>&1 | tee "$OUT/probe.log"
-  rm -rf "$cache"
-fi
-if want walk; then
-  timeout 540 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-2}" \
-    --new-tokens "${WALK_TOKENS:-32}" --profile "${WALK_PROFILE:-3}" --out "$OUT/walk.json" 2>&1 |
-    grep -v "^Loading weights" | tee "$OUT/walk.log" | tail -n 120
-fi
+STATE=${STATE:-/var/tmp/dflash-seconds}
+LOG=$STATE/session.log
+case ${1:-} in
+start)
+  shift
+  rm -rf "$STATE"
+  mkdir -p "$STATE/out"
+  # shellcheck disable=SC2016  # expanded by the detached shell
+  setsid nohup bash -c '
+    source scripts/gpu_env.sh
+    sections=${*:-walk preflight target load gputests}
+    want() { [[ " $sections " == *" $1 "* ]]; }
+    free -g | sed "s/^/host memory: /"
+    if want walk; then
+      echo "=== decode walk: recorded rollback against rerun ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-1}" \
+        --new-tokens "${WALK_TOKENS:-24}" --profile 3 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
+    fi
+    if want preflight; then
+      echo "=== preflight: before and after, cold, warm, failing ($(date -u +%T))"
+      before=(); [ -d .old/trainer/src ] && before=(--before .old/trainer/src)
+      timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/model "${before[@]}" \
+        --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
+    fi
+    if want target; then
+      echo "=== target forward, 8-layer slice ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
+        --variant trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused 2>&1 | grep -v "^Loading weights" | tail -n 30
+    fi
+    if want load; then
+      echo "=== fast_load beside the staged target: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
+      free -g | sed "s/^/host memory: /"
+      timeout 180 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 2>&1 | tail -n 20
+      rm -rf /dev/shm/dflash
+      echo "=== fast_load on an idle host: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
+      timeout 180 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 2>&1 | tail -n 20
+    fi
+    if want gputests; then
+      echo "=== GPU tests ($(date -u +%T))"
+      OUT=$STATE/out bash scripts/gpu_bench.sh gputests 2>&1 | tail -n 40
+    fi
+    rm -rf /dev/shm/dflash /var/tmp/dflash-preflight
+    echo "session exit ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
+  echo "gpu seconds: started (pid $!); log $LOG"
+  ;;
+poll)
+  deadline=$(($(date +%s) + ${2:-540}))
+  while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  if [ -n "${OUT:-}" ]; then
+    cp "$LOG" "$STATE"/out/*.json "$STATE"/out/*.txt "$OUT"/ 2>/dev/null
+  fi
+  tail -n 150 "$LOG"
+  grep -q "^session exit" "$LOG" || echo "gpu seconds: still running"
+  ;;
+*)
+  echo "usage: $0 start [SECTION...] | poll [SECONDS]" >&2
+  exit 2
+  ;;
+esac

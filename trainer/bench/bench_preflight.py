@@ -1,0 +1,84 @@
+"""`dflash-train preflight` as the unit runs it, timed at the reference shape: cold (empty compile caches and
+no kept verdicts), warm (the same caches again), and with a failing cheap check (a shards directory that is
+not there). `--before DIR` runs the same sequence with another copy of the trainer's source first (an earlier
+commit's `trainer/src`), side by side in one run. Figures, no assertions.
+
+    python trainer/bench/bench_preflight.py [--target /dev/shm/dflash/model] [--before .old/trainer/src]
+        [--out preflight.json]
+
+The random 27B-shaped target is written into --target when no complete one is there (the rehearsal's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.config import load_config
+from dflash_trainer.service.rehearse import CLI, REPO_CONFIG, stage_target, write_config, write_shards
+
+
+def run_preflight(config: Path, source: Path | None, caches: Path) -> dict[str, Any]:
+    env = os.environ | {
+        "XDG_CACHE_HOME": str(caches),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "DFLASH_NPROC": "1",
+    }
+    if source is not None:
+        env["PYTHONPATH"] = f"{source}:{env.get('PYTHONPATH', '')}"
+    start = time.perf_counter()
+    proc = subprocess.run([*CLI, "preflight", str(config)], env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return {"seconds": round(seconds, 2), "rc": proc.returncode, "lines": lines[-16:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=Path("/dev/shm/dflash/model"))
+    p.add_argument("--shape", default="qwen3.6-27b", help="qwen3.6-mini: a CPU smoke run of this script")
+    p.add_argument("--state", type=Path, default=Path("/var/tmp/dflash-preflight"))
+    p.add_argument("--before", type=Path, help="another trainer/src to time first, side by side")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    stage_target(args.target, args.shape, None)
+    args.state.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(REPO_CONFIG, check_paths=False)
+    shards = args.state / "shards"
+    vocab = json.loads((args.target / "config.json").read_text())["text_config"]["vocab_size"]
+    write_shards(shards, vocab=vocab, mask_id=cfg.drafter.mask_token_id, seq_len=cfg.data.seq_len, rows=16,
+                 shards=2)  # fmt: skip
+    good_dir, bad_dir = args.state / "good", args.state / "bad"
+    for d in (good_dir, bad_dir):
+        d.mkdir(exist_ok=True)
+    good = write_config(REPO_CONFIG, good_dir, target=args.target, shards=shards, world=1, overrides={})
+    bad = write_config(REPO_CONFIG, bad_dir, target=args.target, shards=args.state / "missing", world=1,
+                       overrides={})  # fmt: skip
+    result: dict[str, Any] = {}
+    versions = [("before", args.before), ("after", None)] if args.before else [("after", None)]
+    for label, source in versions:
+        caches = Path(tempfile.mkdtemp(prefix=f"preflight-caches-{label}-", dir="/var/tmp"))
+        for run, config in (("cold", good), ("warm", good), ("failing-shards", bad)):
+            figures = run_preflight(config, source, caches)
+            result[f"{label}/{run}"] = figures
+            print(f"preflight {label} {run}: {figures['seconds']:.1f} s, exit {figures['rc']}")
+            print("\n".join(f"  {line}" for line in figures["lines"]))
+        shutil.rmtree(caches, ignore_errors=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
