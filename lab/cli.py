@@ -1,4 +1,4 @@
-"""`python -m lab up|down|status`: build, remove and report the local lab (see README, "The lab")."""
+"""`python -m lab up|down|status`: build, remove and report the local lab (see docs/lab.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""L5 service: dflash-train.service installed, enabled and shaped as DESIGN.md section 6 says."""
+"""L5 service: dflash-train.service installed, enabled and shaped as docs/design.md section 6 says."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ argmax, and (softmax - onehot) * w to multiply into the head. In torch that is t
 weight, the cast back). This kernel reads the bf16 logits twice and writes the gradient once, over the logits
 (Liger-Kernel's cross-entropy kernel does the same; this one adds the argmax and the position weight).
 Arithmetic is fp32 as in the torch path; only the order of the sums differs. On an H200 the reference drafter
-step went from 279.7 to 250.9 ms with it, side by side in one run (docs/benchmarks.md).
+step went from 279.7 to 250.9 ms with it, side by side in one run (docs/journal.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ torch.compiler.disable each Gated DeltaNet layer fell into five graphs: the brea
 layer's graph at the attention module and compiles the module's forward as a frame of its own, cut again at
 the causal conv and at the delta rule. Every graph is one more guard check and launch from the host (the
 trainer's compiled target ran 29.4 ms of kernels in a 41.1 ms call, bound by the host: rehearsal run 8's
-session, docs/benchmarks.md). As custom ops (torch.library.custom_op) the kernels stay opaque to dynamo and
+session, docs/journal.md). As custom ops (torch.library.custom_op) the kernels stay opaque to dynamo and
 inductor but sit inside one graph per layer, and the query, key and value they take are made contiguous in
 that graph by inductor instead of eagerly by FLA's input guard.
 

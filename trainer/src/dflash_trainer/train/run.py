@@ -200,7 +200,7 @@ class Position:
 
 
 # Bench sizes (plan, bench_pipeline): random weights of a given shape, random tokens. qwen3-8b is the shape
-# DESIGN.md's speeds were measured on, with a reference-shaped drafter.
+# docs/design.md's speeds were measured on, with a reference-shaped drafter.
 BENCH = {
     "tiny": {
         "target": dict(
