@@ -9,6 +9,7 @@
 #   walk       the decode walk at the reference shape: ms per verify step, recorded rollback against rerun
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
+#   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
 #              then with it removed (an idle host)
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
@@ -24,7 +25,7 @@ start)
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
-    sections=${*:-walk preflight target load gputests}
+    sections=${*:-walk preflight target rehearsal load gputests}
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"
     if want walk; then
@@ -43,6 +44,12 @@ start)
       timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
         --variant trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused 2>&1 | grep -v "^Loading weights" | tail -n 30
     fi
+    if want rehearsal; then
+      echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"
+      OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
+        --stop-at 15 2>&1 | grep -v "^Loading weights" | tail -n 60
+      grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   triton" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
+    fi
     if want load; then
       echo "=== fast_load beside the staged target: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
       free -g | sed "s/^/host memory: /"
@@ -55,7 +62,7 @@ start)
       echo "=== GPU tests ($(date -u +%T))"
       OUT=$STATE/out bash scripts/gpu_bench.sh gputests 2>&1 | tail -n 40
     fi
-    rm -rf /dev/shm/dflash /var/tmp/dflash-preflight
+    rm -rf /dev/shm/dflash /var/tmp/dflash-preflight "$STATE/rehearsal"
     echo "session exit ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
   echo "gpu seconds: started (pid $!); log $LOG"
   ;;
