@@ -28,26 +28,60 @@ bootstrap: ## install Debian packages and the two pinned venvs (.venv, .venv-tra
 	@scripts/bootstrap.sh
 
 .PHONY: lint
-lint: bootstrap ## ansible-lint (production profile), yamllint, ruff
+lint: bootstrap ## ansible-lint (production profile), yamllint, ruff, the mypy gate (errors per file only shrink)
 	yamllint -s .
 	ansible-lint --profile production --offline -q
 	ruff check .
 	ruff format --check .
+	$(PY) scripts/mypy_gate.py
+
+.PHONY: pre-commit-install
+pre-commit-install: bootstrap ## run ruff, yamllint and the mypy gate before each commit (.pre-commit-config.yaml)
+	pre-commit install
+
+# The trainer's tests run in a TMPDIR of their own: torchrun's agents leave /tmp/torchelastic_* behind.
+TRAINER_PYTEST = tmp=$$(mktemp -d /tmp/dflash-trainer-tests.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
+  TMPDIR=$$tmp $(TRAINER_VENV)/bin/python -m pytest -q
+# The repository's tests that need neither the lab nor root.
+UNIT_TESTS := tests/inventory tests/tooling
+# Markers, the same in both suites: slow (left out of `make test`: test-slow), system (the trainer as processes:
+# after the lab in `make test`), gpu (test-gpu). pytest exits 5 when no test carries the marker asked for.
+NO_TESTS_IS_OK = || [ $$? = 5 ]
 
 .PHONY: test
-test: bootstrap lint lab ## everything CI runs: lint, unit tests, the lab's checks, molecule scenarios, the two-CT lab
-	@# torchrun's agents leave /tmp/torchelastic_* behind: the trainer's tests get a TMPDIR of their own.
-	tmp=$$(mktemp -d /tmp/dflash-trainer-tests.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
-	  TMPDIR=$$tmp $(TRAINER_VENV)/bin/python -m pytest -q -m "not gpu" trainer/tests
-	$(PY) -m pytest -q -m "not slow" tests/lab tests/inventory tests/tooling tests/molecule
+test: bootstrap lint test-unit lab ## everything CI runs: lint, unit tests, the lab, system tests, molecule, the two-CT lab
+	$(TRAINER_PYTEST) -m "system and not gpu and not slow" trainer/tests
+	$(PY) -m pytest -q -m "not slow" tests/lab tests/molecule
 	scripts/molecule_all.sh
 	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
 	$(MAKE) --no-print-directory test-multinode
 
+# Root bootstraps (Debian packages, the venvs); another user runs the unit tests in the venvs root built.
+UNIT_VENVS := $(if $(filter 0,$(shell id -u)),bootstrap,venvs-built)
+.PHONY: venvs-built
+venvs-built:
+	@for v in $(VENV) $(TRAINER_VENV); do \
+	  [ -x $$v/bin/python ] || { echo "$$v is missing: run 'make bootstrap' as root once" >&2; exit 1; }; done
+
+.PHONY: test-unit
+test-unit: $(UNIT_VENVS) ## the fast loop: the trainer's tests but gpu/system/slow ones, and the tooling's; no lab, no root
+	$(TRAINER_PYTEST) -n 2 -m "not gpu and not system and not slow" trainer/tests
+	$(PY) -m pytest -q -m "not slow" $(UNIT_TESTS)
+
 .PHONY: test-slow
 test-slow: bootstrap lab ## the long checks: slow molecule scenarios (DKMS build) and slow tests
+	$(TRAINER_PYTEST) -m "slow and not gpu" trainer/tests $(NO_TESTS_IS_OK)
 	$(PY) -m pytest -q -m slow tests
 	scripts/molecule_all.sh --slow
+
+# The GPU tests' interpreter: the trainer venv (TRAINER_LOCK=trainer/requirements-cuda.lock make bootstrap), or
+# any Python with the trainer's CUDA requirements and the trainer on its path (GPU_PYTHON=python3).
+GPU_PYTHON ?= $(TRAINER_VENV)/bin/python
+
+.PHONY: test-gpu
+test-gpu: ## the trainer's GPU tests (-m gpu); refuses without CUDA; GPU_PYTHON=python3 for another interpreter
+	@$(GPU_PYTHON) -c 'import torch, sys; torch.cuda.is_available() or sys.exit(f"test-gpu: no CUDA device: torch {torch.__version__} of {sys.executable} says torch.cuda.is_available() is False; run it on a GPU machine")'
+	$(GPU_PYTHON) -m pytest -q -m gpu trainer/tests
 
 .PHONY: test-multinode
 test-multinode: bootstrap ## the two-CT lab of one job (inventory/lab-multinode): build, provision, tests, smoke run

@@ -15,7 +15,7 @@ from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import spawn_local
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def test_tiny_dflash_one_target_two_drafters(tiny_target, tmp_path: Path) -> None:

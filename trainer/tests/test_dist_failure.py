@@ -14,7 +14,7 @@ import pytest
 
 from dflash_trainer.distributed.failure import Fault
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*injecting fault", re.M)
 

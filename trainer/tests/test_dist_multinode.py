@@ -12,7 +12,7 @@ import pytest
 
 from dflash_trainer.distributed.local import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def test_two_nodes_over_c10d_rendezvous(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_trainer.distributed.local import spawn_local
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 @pytest.mark.parametrize(("n", "m"), [(1, 1), (2, 1), (3, 2)])

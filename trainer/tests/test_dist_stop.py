@@ -89,7 +89,7 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
         raise SystemExit(1)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("n", "m", "stop_ranks"), [(1, 1, [0, 1]), (2, 1, [1]), (3, 2, [0, 1, 2, 3, 4]), (1, 3, [3])]
 )

@@ -87,6 +87,7 @@ def test_auto_is_dense_on_cpu(small_spec) -> None:
     assert resolve_impl("auto", torch.device("cuda")) == "flex"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has no backward on CPU")
 @pytest.mark.parametrize("window", [6, 3])
 def test_flex_outputs_and_gradients_equal_dense_on_cuda(small_spec, window: int) -> None:

@@ -28,7 +28,7 @@ from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import free_port
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 # The first stop must come well before the horizon, on an idle machine too: from seeing step 3 to the stop an
 # idle host trained 92 steps (CI, 2026-12-03).

@@ -145,7 +145,7 @@ def test_a_slow_tracker_starts_in_the_background_and_catches_up():
     assert [s for s, _ in safe.tracker.logged] == [1, 2, 3] and safe.failed is None
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_unreachable_wandb_does_not_hold_the_start_and_prints_nothing(tmp_path):
     """wandb online against a closed port: start_trackers returns within its bounded wait, and wandb itself
     writes nothing to stdout or stderr (only our own log lines)."""

@@ -37,7 +37,7 @@ SMALL = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     """Two ranks (1:1 over gloo), as the two-GPU rehearsal; then the fault: one rank SIGKILLed mid-run."""
     out = tmp_path / "run"

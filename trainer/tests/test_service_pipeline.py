@@ -21,7 +21,7 @@ from dflash_trainer.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 STEPS = 30
 

@@ -23,7 +23,7 @@ from dflash_trainer.distributed.local import spawn_local
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 from dflash_trainer.train.run import train
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 STEPS = 12
 PRELOAD = ["dflash_trainer.train.run", "dflash_trainer.model.target"]
 

@@ -90,7 +90,6 @@ def trained(tiny_target) -> Callable[[str], Trained]:
     return get
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_lossless_with_a_trained_drafter(trained, kind: str) -> None:
     t = trained(kind)
@@ -138,7 +137,6 @@ def test_lossless_on_cuda(trained, tiny_target, kind: str) -> None:
     assert result.accepted_drafts >= 20 and result.rejections >= 20, result
 
 
-@pytest.mark.slow
 def test_a_crop_that_keeps_the_recurrent_state_is_not_lossless(trained, monkeypatch) -> None:
     """The walk's test has teeth: a rollback that cuts attention but keeps the Gated DeltaNet states of the
     whole block (dflash 0.1.0 rewinds the conv state but not the recurrent one) changes the output."""
@@ -204,7 +202,6 @@ def test_refuses_a_truncated_target(tiny_target, small_spec) -> None:
         decode_walk(target.model, DFlashDrafter(small_spec), [torch.tensor([1, 2, 3])], WalkSettings(4))
 
 
-@pytest.mark.slow
 def test_same_steps_as_dflash_generate(trained, tmp_path, monkeypatch) -> None:
     """dflash 0.1.0 on a Qwen3 target (its crop is exact there): the same tokens and acceptance lengths."""
     dflash_model = pytest.importorskip("dflash.model")
