@@ -100,3 +100,27 @@ def test_an_unreachable_webhook_leaves_training_untouched(fresh):
     finally:
         ct.sh("systemctl stop dflash-train", check=False, timeout=130)
         converge_alerts()  # the role's URL back
+
+
+def test_a_stall_past_the_threshold_alerts(fresh):
+    ct = fresh
+    # A 10 s window (the watch checks every 2 s): shorter than the tests' WatchdogSec=20, so the stall is told
+    # while the job is alive and stopped, before the watchdog would end it.
+    converge_alerts("-e", "trainer_alerts_slow_minutes=0.1667")
+    try:
+        start_and_wait_step(ct, 12)
+        target = ct.sh(f"pgrep -P {ct.show('MainPID')}").stdout.split()[0]  # rank 0: the drafter waits on it
+        t0 = time.time()
+        ct.sh(f"kill -STOP {target}")
+        try:
+            # Under the peer monitor's 15 s (a rank silent longer ends the job) and the watchdog's 20 s.
+            msg = wait_message(t0, "stalled", 14)
+        finally:
+            ct.sh(f"kill -CONT {target}", check=False)
+        assert msg["severity"] == "warning" and "no training step for 0.1667 min" in msg["text"], msg
+        assert msg["_at"] - t0 < 14
+        ct.wait_for(lambda: ct.show("ActiveState") == "active", 30, "the unit still running")
+        assert int(ct.show("NRestarts")) == 0
+    finally:
+        ct.sh("systemctl stop dflash-train", check=False, timeout=130)
+        converge_alerts()

@@ -103,13 +103,14 @@ def test_no_step_for_the_window_while_active_is_a_stall() -> None:
 
 
 def test_no_checkpoint_for_two_intervals_alerts() -> None:
-    t = Thresholds(minutes=100, intervals=2.0, checkpoint_every=5)  # 5 steps x 1 s: stale after 10 s
+    t = Thresholds(minutes=100, intervals=2.0, checkpoint_every=50)  # 50 steps x 1 s: stale after 100 s
     f = run([1000] * 3)
-    assert check(f, t, 1030, active=True, checkpoint_at=1025.0, alerting=Alerting()) == []
-    events = check(f, t, 1036, active=True, checkpoint_at=1025.0, alerting=Alerting())
-    assert [e for e, _ in events] == [
-        "no_checkpoint"
-    ] and "2 x checkpoint_every (5 steps x 1.00 s)" in events[0][1]
+    assert check(f, t, 1120, active=True, checkpoint_at=1025.0, alerting=Alerting()) == []
+    events = check(f, t, 1126, active=True, checkpoint_at=1025.0, alerting=Alerting())
+    assert [e for e, _ in events] == ["no_checkpoint"], events
+    assert "no checkpoint for 101 s: more than 2 x checkpoint_every (50 steps x 1.00 s)" in events[0][1]
+    short = Thresholds(minutes=100, intervals=2.0, checkpoint_every=5)  # 10 s: held to the 60 s floor
+    assert check(f, short, 1080, active=True, checkpoint_at=1025.0, alerting=Alerting()) == []
 
 
 def test_the_textfile_is_prometheus_text_with_every_series() -> None:
@@ -125,13 +126,14 @@ def test_the_textfile_is_prometheus_text_with_every_series() -> None:
         f"dflash_train_step{{{u}}} 20",
         f"dflash_train_max_steps{{{u}}} 100",
         f"dflash_train_loss{{{u}}} 6.3069",
-        f'dflash_train_rank_tokens_per_second{{{u},rank="1",role="drafter"}} 1230',
+        f"dflash_train_last_step_timestamp_seconds{{{u}}} 1020.0",
+        f'dflash_train_rank_tokens_per_second{{{u},rank="1",role="drafter"}} 1230.0',
         f'dflash_train_rank_time_share{{{u},rank="0",role="target",state="busy"}} 0.94',
         f"dflash_train_walk_tau{{{u}}} 2.5",
         f"dflash_train_checkpoint_age_seconds{{{u}}} 12.5",
         f"dflash_train_restarts{{{u}}} 2",
         f"dflash_train_preflight_seconds{{{u}}} 2.7",
-        f"dflash_train_start_seconds{{{u}}} 23",
+        f"dflash_train_start_seconds{{{u}}} 23.0",
         f"dflash_train_up{{{u}}} 1",
     ):
         assert want in text.splitlines(), want

@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "follow":
         from dflash_trainer.alerts.follow import follow
 
-        follow(settings)
+        follow(settings, every_s=max(1.0, min(15.0, settings.slow_minutes * 60 / 5)))
         return 1  # journalctl ended: systemd restarts the watch
     if args.command == "status":
         from dflash_trainer.alerts.status import report

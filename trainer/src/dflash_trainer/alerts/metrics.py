@@ -16,6 +16,11 @@ def _escape(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _number(v: float | int) -> str:
+    """An integer as such, a float in full (a timestamp keeps its seconds)."""
+    return str(v) if isinstance(v, int) else repr(float(v))
+
+
 def _labels(**kv: object) -> str:
     inner = ",".join(f'{k}="{_escape(v)}"' for k, v in kv.items())
     return "{" + inner + "}" if inner else ""
@@ -39,7 +44,7 @@ def render(
             return
         out.append(f"# HELP {PREFIX}_{name} {doc}")
         out.append(f"# TYPE {PREFIX}_{name} gauge")
-        out.extend(f"{PREFIX}_{name}{_labels(unit=unit, **labels)} {float(v):g}" for labels, v in rows)
+        out.extend(f"{PREFIX}_{name}{_labels(unit=unit, **labels)} {_number(v)}" for labels, v in rows)
 
     gauge("up", "1 while the training unit is active", [({}, int(active))])
     gauge("step", "the newest optimizer step in the journal", [({}, f.step)])

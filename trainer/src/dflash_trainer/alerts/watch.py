@@ -3,7 +3,8 @@
 - slow: the pipeline's tokens/s, every sample of the last `minutes`, below `share` x the run's median.
 - stalled: no step line for `minutes` while the unit is active (after READY; the watchdog catches a hung step
   within WatchdogSec, this catches a job that is alive but makes no progress).
-- no_checkpoint: the newest checkpoint older than `intervals` x checkpoint_every x the median step time.
+- no_checkpoint: the newest checkpoint older than `intervals` x checkpoint_every x the median step time (at
+  least a minute).
 Each alerts once per episode and re-arms when the condition clears.
 """
 
@@ -12,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_trainer.alerts.figures import Figures
+from dflash_trainer.alerts.run_state import duration
+
+MIN_CHECKPOINT_LIMIT_S = 60.0  # a checkpoint every few seconds (the lab's) is not held to the second
 
 
 @dataclass
@@ -66,14 +70,14 @@ def check(
     step_s = f.median_step_s()
     stale = False
     if active and t.checkpoint_every and step_s and f.started_at is not None:
-        limit = t.intervals * t.checkpoint_every * step_s
+        limit = max(MIN_CHECKPOINT_LIMIT_S, t.intervals * t.checkpoint_every * step_s)
         reference = max(checkpoint_at or 0.0, f.started_at)
         stale = now - reference > limit
     if alerting.edge("no_checkpoint", stale):
         age = now - (checkpoint_at or f.started_at or now)
         out.append((
             "no_checkpoint",
-            f"no checkpoint for {age / 60:.1f} min: more than {t.intervals:g} x checkpoint_every "
+            f"no checkpoint for {duration(age)}: more than {t.intervals:g} x checkpoint_every "
             f"({t.checkpoint_every} steps x {step_s:.2f} s)",
         ))  # fmt: skip
     return out
