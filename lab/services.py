@@ -1,5 +1,5 @@
-"""Loopback daemons of the lab: fakepve (the Proxmox API double), moto's S3 server and the alerts' webhook
-receiver.
+"""Loopback daemons of the lab: fakepve (the Proxmox API double), moto's S3 server, the alerts' webhook
+receiver and Prometheus (scraping the lab CT's node_exporter).
 
 Each runs in its own session with a pid file and a log under lab_dir; `up` starts what is down,
 restarts what is up but not answering, and refuses a port that another process holds.
@@ -137,12 +137,28 @@ def webhook(settings: LabSettings) -> Daemon:
     )
 
 
+def prometheus(settings: LabSettings) -> Daemon:
+    """Debian's Prometheus scraping the lab CT's node_exporter (lab/prometheus.py)."""
+    from lab import prometheus as pm
+
+    return Daemon(
+        name="prometheus",
+        argv=pm.argv(settings),
+        host=pm.HOST,
+        port=pm.PORT,
+        url=f"http://{pm.HOST}:{pm.PORT}/-/ready",
+        port_key="lab/prometheus.py PORT",
+        signature="/usr/bin/prometheus",
+        prepare=lambda: pm.prepare(settings),
+    )
+
+
 def webhook_log(settings: LabSettings) -> Path:
     return settings.lab_dir / "webhook" / "received.jsonl"
 
 
 def daemons(settings: LabSettings) -> list[Daemon]:
-    return [fakepve(settings), s3(settings), webhook(settings)]
+    return [fakepve(settings), s3(settings), webhook(settings), prometheus(settings)]
 
 
 def _pidfile(settings: LabSettings, d: Daemon) -> Path:
