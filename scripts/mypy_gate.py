@@ -9,6 +9,8 @@ compared with mypy-baseline.json (file -> count), a count that only shrinks.
   ... --update --allow-moves    the same, except that counts may move between files (code moved by a
                                 refactor) as long as the total does not grow
 
+A count rises only by hand: an edit of mypy-baseline.json, in the commit that says why.
+
 Exit status: 0 clean, 1 a count grew (or --update refused), 2 mypy itself failed (a config error, a crash).
 """
 
