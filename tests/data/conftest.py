@@ -45,6 +45,7 @@ def _deployed_matches_repo() -> bool:
     for local, remote in (
         (REPO / "roles/shard_sync/files/dflash_s3_sync.py", SYNC),
         (REPO / "roles/model_stage/files/dflash_stage_model.py", STAGE),
+        (REPO / "roles/shard_sync/files/dflash_manifest.py", str(Path(SYNC).parent / "dflash_manifest.py")),
     ):
         digest = hashlib.sha256(local.read_bytes()).hexdigest()
         if ct(f"sha256sum {remote}").stdout.split()[:1] != [digest]:

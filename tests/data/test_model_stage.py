@@ -171,7 +171,7 @@ def test_malformed_manifest_is_one_clear_error(work: str) -> None:
         f"> {work}/bad/MANIFEST.json"
     )
     proc = ct(f"{STAGE} --source {work}/bad --dest {SHM_WORK}/model")
-    assert "files[0].path '../x' is not a relative path inside the model" in proc.stderr
+    assert "files[0].path '../x' is not a relative path inside the directory" in proc.stderr
 
 
 def test_missing_store_file_is_named(work: str) -> None:

@@ -101,9 +101,8 @@ def check_config(ctx: Context) -> str:
         ctx.nproc = ctx.nproc or 1
         raise Failed(str(e), f"edit {ctx.config_path} (the key named)") from None
     if ctx.nproc is None:  # the unit starts [topology]'s rank count (roles/trainer_service derives it alike)
-        t = ctx.cfg.topology
-        named = isinstance(t.targets, int) and isinstance(t.drafters, int)
-        ctx.nproc = (t.targets + t.drafters) // ctx.nnodes if named else 1
+        ranks = ctx.cfg.topology.ranks
+        ctx.nproc = ranks // ctx.nnodes if ranks is not None else 1
     return f"{ctx.config_path} valid"
 
 
@@ -352,8 +351,7 @@ def check_devices(ctx: Context) -> str:
     kind = _device_kind(cfg)
     ctx.facts["device"] = kind
     topo = cfg.topology
-    fixed = [v for v in (topo.targets, topo.drafters) if v != "auto"]
-    wanted = sum(fixed) if len(fixed) == 2 else None
+    wanted = topo.ranks
     if wanted is not None and wanted != ctx.nproc * ctx.nnodes:
         nodes = f" on each of {ctx.nnodes} nodes" if ctx.nnodes > 1 else ""
         raise Failed(

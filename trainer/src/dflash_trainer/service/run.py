@@ -180,13 +180,13 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def leader_rank(cfg, world: int) -> int:
-    """The rank that speaks to systemd: the first drafter of a pipeline, else rank 0 (one process)."""
+def resolved_topology(cfg, world: int):
+    """[topology] resolved for this world, once per rank (None for one process); the rank's run gets it."""
     if world < 2:
-        return 0
+        return None
     from dflash_trainer.distributed.topology import resolve_topology
 
-    return resolve_topology(world, cfg.topology.targets, cfg.topology.drafters).drafter_ranks[0]
+    return resolve_topology(world, cfg.topology.targets, cfg.topology.drafters)
 
 
 def node_speaker(speaker: int) -> bool:
@@ -210,20 +210,16 @@ def die_with_launcher() -> None:
         _die_with_parent(int(pid))
 
 
-def named_ranks(cfg) -> int | None:
-    t = cfg.topology
-    return t.targets + t.drafters if isinstance(t.targets, int) and isinstance(t.drafters, int) else None
-
-
-def serve_pipeline(cfg, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
+def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
     """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job)."""
     from dflash_trainer.distributed.launch import Control, RankOptions, run_rank
 
     options = RankOptions(
         resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"
     )
-    relay = hooks.relay if hooks.notifier.enabled and rank() != leader_rank(cfg, world_size()) else None
-    run_rank(cfg, options, Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks, on_progress=relay))
+    relay = hooks.relay if hooks.notifier.enabled and rank() != topo.drafter_ranks[0] else None
+    control = Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks, on_progress=relay)
+    run_rank(cfg, options, control, topo=topo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -259,16 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config)  # once per rank; the run gets the object
-        pipeline = world_size() > 1
-        speaker = leader_rank(cfg, world_size())
+        topo = resolved_topology(cfg, world_size())
+        pipeline = topo is not None
+        # The rank that speaks to systemd: the first drafter of a pipeline, else rank 0 (one process).
+        speaker = topo.drafter_ranks[0] if topo is not None else 0
     except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
-    if not pipeline and (named_ranks(cfg) or 1) > 1:
+    if not pipeline and (cfg.topology.ranks or 1) > 1:
         log.info(
             "[topology] names %d ranks, 1 was launched: target and drafter in this one process (the 1:1 "
             "pipeline without the transport)",
-            named_ranks(cfg),
+            cfg.topology.ranks,
         )
     # One rank speaks to systemd: rank 0 of a single-process run; of a pipeline the first drafter, which
     # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
@@ -288,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 0
     try:
         if pipeline:
-            serve_pipeline(cfg, hooks, stop, max_steps=args.max_steps)
+            serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps)
             step = hooks.last.step if hooks.last else None
             how = "stopped" if stop.is_set() else "finished"
             if step is not None:  # the drafter leader: the one that saved
