@@ -124,3 +124,29 @@ def test_a_stall_past_the_threshold_alerts(fresh):
     finally:
         ct.sh("systemctl stop dflash-train", check=False, timeout=130)
         converge_alerts()
+
+
+def test_a_preflight_failure_names_the_check_and_the_start_limit_gives_up(fresh):
+    ct = fresh
+    burst = int(ct.show("StartLimitBurst"))
+    ct.sh("rm /var/lib/dflash-svc-test/model/model.safetensors")
+    try:
+        t0 = time.time()
+        ct.sh("systemctl start --no-block dflash-train")
+        first = wait_message(t0, "failed", 60)
+        assert first["cause"]["kind"] == "preflight" and first["cause"]["check"] == "model", first
+        assert (
+            "preflight check model failed" in first["text"] and "model.safetensors: missing" in first["text"]
+        )
+        # systemd 252 starts the OnFailure= unit once the start limit is hit: "gave up" after BURST failures.
+        gave = wait_message(t0, "gave_up", 30 + burst * 15)
+        assert gave["cause"]["kind"] == "start_limit" and gave["severity"] == "critical", gave
+        assert (
+            f"failed {burst} times within" in gave["text"] and "preflight check model failed" in gave["text"]
+        )
+        assert ct.show("ActiveState") == "failed"
+        failed = [m for m in received(t0) if m["event"] == "failed"]
+        assert len(failed) == burst, [m["title"] for m in failed]  # one message per failure, none twice
+    finally:
+        ct.sh("systemctl reset-failed dflash-train", check=False)
+        ct.stage_data()
