@@ -44,8 +44,9 @@ TRAINER_PYTEST = tmp=$$(mktemp -d /tmp/dflash-trainer-tests.XXXXXX); trap 'rm -r
   TMPDIR=$$tmp $(TRAINER_VENV)/bin/python -m pytest -q
 # The repository's tests that need neither the lab nor root.
 UNIT_TESTS := tests/inventory tests/tooling
-# Markers, the same in both suites: slow (left out of `make test`: test-slow), system (the trainer as processes:
-# after the lab in `make test`), gpu (test-gpu). pytest exits 5 when no test carries the marker asked for.
+# Markers, the same in both suites: slow (left out of `make test`: test-slow), system (the trainer as processes
+# or with root's powers: after the lab in `make test`), gpu (test-gpu). pytest exits 5 when no test carries the
+# marker asked for.
 NO_TESTS_IS_OK = || [ $$? = 5 ]
 
 .PHONY: test

@@ -96,6 +96,7 @@ def shared() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.system  # root's powers: a user namespace with an id map, chown, mount
 def test_host_roots_directory_is_refused_for_the_unprivileged_cts_root(shared: Path) -> None:
     result = as_unprivileged_ct_root(lambda: outcome(shared / "checkpoints"))
     assert "detail" in result, f"the CT's root wrote into host root's directory: {result}"
@@ -108,6 +109,7 @@ def test_host_roots_directory_is_refused_for_the_unprivileged_cts_root(shared: P
     assert list(shared.iterdir()) == []
 
 
+@pytest.mark.system  # root's powers: a user namespace with an id map, chown, mount
 def test_the_directory_chowned_to_the_cts_root_passes_and_keeps_nothing(shared: Path) -> None:
     os.chown(shared, CT_ROOT, CT_ROOT)  # what roles/pve_container does for a mount point with ct_uid: 0
     result = as_unprivileged_ct_root(lambda: outcome(shared / "checkpoints"))
@@ -129,6 +131,7 @@ except preflight.Failed as e:
 """
 
 
+@pytest.mark.system  # root's powers: a user namespace with an id map, chown, mount
 def test_a_read_only_mount_is_refused_even_for_root(shared: Path) -> None:
     remount = f"mount --bind {shared} {shared} && mount -o remount,ro,bind {shared}"
     namespace = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{remount} && exec "$0" "$@"']
