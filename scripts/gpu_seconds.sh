@@ -25,7 +25,7 @@ start)
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
-    sections=${*:-walk preflight target rehearsal load gputests}
+    sections=${*:-preflight walk target rehearsal load gputests}
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"
     if want walk; then
@@ -36,7 +36,9 @@ start)
     if want preflight; then
       echo "=== preflight: before and after, cold, warm, failing ($(date -u +%T))"
       before=(); [ -d .old/trainer/src ] && before=(--before .old/trainer/src)
-      timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/model "${before[@]}" \
+      # PREFLIGHT_LAYERS=8 on an 80 GB GPU: the target cut, the probes shaped as at 64 layers.
+      [ -n "${PREFLIGHT_LAYERS:-}" ] && before+=(--layers "$PREFLIGHT_LAYERS")
+      timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/preflight-model "${before[@]}" \
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
     if want target; then
@@ -62,7 +64,7 @@ start)
       echo "=== GPU tests ($(date -u +%T))"
       OUT=$STATE/out bash scripts/gpu_bench.sh gputests 2>&1 | tail -n 40
     fi
-    rm -rf /dev/shm/dflash /var/tmp/dflash-preflight "$STATE/rehearsal"
+    rm -rf /dev/shm/dflash "$STATE/rehearsal"
     echo "session exit ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
   echo "gpu seconds: started (pid $!); log $LOG"
   ;;

@@ -47,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=Path("/dev/shm/dflash/model"))
     p.add_argument("--shape", default="qwen3.6-27b", help="qwen3.6-mini: a CPU smoke run of this script")
+    p.add_argument(
+        "--layers", type=int, help="the target's first N layers only (the probes' shape is the same)"
+    )
     p.add_argument("--state", type=Path, default=Path("/var/tmp/dflash-preflight"))
     p.add_argument("--before", type=Path, help="another trainer/src to time first, side by side")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
-    stage_target(args.target, args.shape, None)
+    stage_target(args.target, args.shape, args.layers)
+    # A cut target: the drafter's context layers within it (the reference's 1, 16, 31, 46, 61 are not).
+    layers = {"drafter.target_layer_ids": list(range(1, args.layers, 2))[:5]} if args.layers else {}
     args.state.mkdir(parents=True, exist_ok=True)
     cfg = load_config(REPO_CONFIG, check_paths=False)
     shards = args.state / "shards"
@@ -62,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     good_dir, bad_dir = args.state / "good", args.state / "bad"
     for d in (good_dir, bad_dir):
         d.mkdir(exist_ok=True)
-    good = write_config(REPO_CONFIG, good_dir, target=args.target, shards=shards, world=1, overrides={})
+    good = write_config(REPO_CONFIG, good_dir, target=args.target, shards=shards, world=1, overrides=layers)
     bad = write_config(REPO_CONFIG, bad_dir, target=args.target, shards=args.state / "missing", world=1,
-                       overrides={})  # fmt: skip
+                       overrides=layers)  # fmt: skip
     result: dict[str, Any] = {}
     versions = [("before", args.before), ("after", None)] if args.before else [("after", None)]
     for label, source in versions:
