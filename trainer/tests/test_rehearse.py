@@ -77,9 +77,10 @@ def test_the_fault_scenario_expects_the_resume_from_the_newest_checkpoint_on_dis
     rightly resumed at 13. Expected: the step on disk when the job ended (a half-written save is not one)."""
     from dflash_trainer.service.rehearse import _newest_checkpoint_step
 
+    from test_config import write_config
+
     checkpoints = tmp_path / "checkpoints"
-    config = tmp_path / "smoke.toml"
-    config.write_text(f'[train]\ncheckpoint_dir = "{checkpoints}"\n')
+    config = write_config(tmp_path, {"train": {"checkpoint_dir": str(checkpoints)}})
     assert _newest_checkpoint_step(config) is None
     for name in ("step-00000006", "step-00000012", ".tmp-step-00000018-4242"):
         (checkpoints / name).mkdir(parents=True)

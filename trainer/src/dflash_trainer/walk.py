@@ -184,8 +184,10 @@ class _TargetCache:
         self._calls: list[_DeltaRuleCall] = []
         self._recording = False
         if rollback == "recorded":
-            for layer in self.linear:
-                layer.update_conv_state = self._conv_recorder(layer, layer.update_conv_state)
+            for layer in self.linear:  # this cache's own layers: an instance attribute shadows the method
+                layer.update_conv_state = self._conv_recorder(  # type: ignore[method-assign]
+                    layer, layer.update_conv_state
+                )
 
     def _conv_recorder(self, layer: Any, update: Callable[..., Any]) -> Callable[..., Any]:
         def record(conv_states: torch.Tensor, state_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
@@ -279,7 +281,9 @@ class _TargetCache:
         for layer, (conv, rec, _prev), call in zip(self.linear, self._saved, self._calls, strict=True):
             before = conv[0]
             window = torch.cat([before, self._conv_inputs[id(layer)][..., :keep]], dim=-1)
-            layer.conv_states[0].copy_(window[..., -before.shape[-1] :])
+            conv_state, recurrent_state = layer.conv_states[0], layer.recurrent_states[0]
+            assert conv_state is not None and recurrent_state is not None  # a verify forward filled them
+            conv_state.copy_(window[..., -before.shape[-1] :])
             query, key, value = call.args[:3]
             kw = call.kwargs
             _out, state = call.recurrent(
@@ -292,7 +296,7 @@ class _TargetCache:
                 output_final_state=True,
                 use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
             )
-            layer.recurrent_states[0].copy_(state)
+            recurrent_state.copy_(state)
 
 
 def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
