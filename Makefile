@@ -20,7 +20,7 @@ CHECK_INVENTORY = $(PY) scripts/check_inventory.py $(INVENTORY)
 
 .PHONY: help
 help: ## list the entry points
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z0-9-]*:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z0-9-]*:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  INVENTORY=$(INVENTORY) (default inventory/lab)"
 
 .PHONY: bootstrap
@@ -55,6 +55,7 @@ test: bootstrap lint test-unit lab ## everything CI runs: lint, unit tests, the 
 	$(PY) -m pytest -q -m "not slow" tests/lab tests/molecule
 	scripts/molecule_all.sh
 	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
+	$(PY) -m pytest -q -m "not slow" tests/alerts
 	$(MAKE) --no-print-directory test-multinode
 
 # Root bootstraps (Debian packages, the venvs); another user runs the unit tests in the venvs root built.
@@ -125,6 +126,15 @@ SMOKE_T0 := $(or $(DFLASH_SMOKE_T0),$(shell date +%s.%N))
 smoke-train: bootstrap ## 100-step warmup as a transient unit in INVENTORY's container
 	@$(CHECK_INVENTORY)
 	INVENTORY=$(INVENTORY) DFLASH_SMOKE_T0=$(SMOKE_T0) scripts/smoke_train.sh
+
+.PHONY: status
+status: bootstrap ## the training unit of INVENTORY's CT on one screen (state, step, tokens/s, ETA, checkpoint, last failure)
+	@$(CHECK_INVENTORY)
+	INVENTORY=$(INVENTORY) scripts/status.sh
+
+.PHONY: tensorboard
+tensorboard: bootstrap ## the training curves of INVENTORY's CT at http://127.0.0.1:6006/ (PORT=N)
+	INVENTORY=$(INVENTORY) scripts/tensorboard.sh
 
 .PHONY: logs
 logs: bootstrap ## follow the dflash-train journal in INVENTORY's container
