@@ -55,11 +55,13 @@ def entries(lines: list[str], invocation: str) -> list[dict[str, str]]:
 
 
 def settings(tmp_path: Path, **kw) -> Settings:
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "step-00000020").mkdir(parents=True)
-    (tmp_path / "train.toml").write_text(f'[train]\ncheckpoint_dir = "{ckpt}"\nmax_steps = 100\n')
+    from test_config import write_config
+
+    (tmp_path / "ckpt" / "step-00000020").mkdir(parents=True)
+    # A relative checkpoint_dir: resolved against the TOML's directory, as the trainer resolves it.
+    config = write_config(tmp_path, {"train": {"checkpoint_dir": "ckpt", "max_steps": 100}})
     return Settings(
-        host="pve1", ct="200 (ct200)", train_config=tmp_path / "train.toml", spool_dir=tmp_path / "spool",
+        host="pve1", ct="200 (ct200)", train_config=config, spool_dir=tmp_path / "spool",
         state_dir=tmp_path / "state", **kw,
     )  # fmt: skip
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +21,19 @@ class Checkpoint:
 
 
 def train_settings(path: Path) -> dict:
-    """The [train] table of the training TOML ({} when unreadable: a message still goes out)."""
+    """What the alerts read of [train], through the trainer's own loader (checkpoint_dir resolved the way the
+    trainer resolves it, defaults filled); {} when the file does not load: a message still goes out."""
+    from dflash_trainer.config import ConfigError, check_tables, read_toml
+
     try:
-        return tomllib.loads(path.read_text()).get("train", {})
-    except (OSError, ValueError):
+        train = check_tables(read_toml(path), base=path.resolve().parent).train
+    except (ConfigError, OSError):
         return {}
+    return {
+        "checkpoint_dir": str(train.checkpoint_dir),
+        "checkpoint_every": train.checkpoint_every,
+        "max_steps": train.max_steps,
+    }
 
 
 def latest_checkpoint(directory: Path) -> Checkpoint | None:
