@@ -38,7 +38,8 @@ start)
       before=(); [ -d .old/trainer/src ] && before=(--before .old/trainer/src)
       # PREFLIGHT_LAYERS=8 on an 80 GB GPU: the target cut, the probes shaped as at 64 layers.
       [ -n "${PREFLIGHT_LAYERS:-}" ] && before+=(--layers "$PREFLIGHT_LAYERS")
-      timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/preflight-model "${before[@]}" \
+      # One 54 GB target in /dev/shm for preflight and the walk; a cut one in a directory of its own.
+      timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/model${PREFLIGHT_LAYERS:+-$PREFLIGHT_LAYERS} "${before[@]}" \
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
     if want target; then
