@@ -136,6 +136,11 @@ class Control:
     # Several nodes: a node's speaker other than the leader hears each step the leader finished (its unit's
     # WATCHDOG=1 then stops with the leader's, wherever the job hangs).
     on_progress: Callable[[int], None] | None = None
+    # Several nodes, the drafter leader: given the relay's beat (the other nodes' units hear the leader is
+    # alive) and the job's stop-asked check, for a hook that waits inside a step (the smoke run's pause).
+    on_relay: Callable[[Callable[[], None], Callable[[], bool]], None] | None = None
+    # Target rank 0: what a long evaluation is doing, said as it goes (the service's systemd heartbeat).
+    progress: Callable[[str], None] | None = None
 
 
 def nodes() -> int:
@@ -257,6 +262,7 @@ def _build_dflash(
     device: torch.device,
     groups: dict[str, Any],
     stopper_box: list[Any],
+    progress: Callable[[str], None] | None = None,
 ) -> Built:
     """This rank's side of the run, resumed where the drafter leader's newest checkpoint says."""
     from dflash_trainer.distributed.transport import WireFormat
@@ -273,10 +279,8 @@ def _build_dflash(
     leader = topo.drafter_ranks[0]
     if role is Role.TARGET:
         work: Any = tr.TargetSide(setup, evaluates=index == 0 and not opts.bench)
-        if work.evaluates:  # minutes of decode walk: said as it goes, and systemd's watchdog kept fed
-            from dflash_trainer.service.notify import Heartbeat, Notifier
-
-            work.progress = Heartbeat(Notifier())
+        if work.evaluates and progress is not None:  # minutes of decode walk: said as it goes
+            work.progress = progress
     else:
         work = tr.DrafterSide(
             cfg, tr.head_only(setup), hz, device=device, index=index, num_drafters=m,
@@ -378,7 +382,7 @@ def run_rank(
     if control is None:
         _setup_logging(me)
     else:  # the service's journal format; the line prefix (and the rank's summary) take the role now
-        from dflash_trainer.service.logs import set_role
+        from dflash_trainer.logs import set_role
 
         set_role(role.value)
         os.environ["DFLASH_ROLE"] = role.value
@@ -438,7 +442,8 @@ def _run_role(
     if opts.synthetic:
         built = _build_synthetic(opts, role, device, groups["drafters"])
     else:
-        built = _build_dflash(cfg, opts, rank, topo, device, groups, stopper_box)
+        progress = control.progress if control is not None else None
+        built = _build_dflash(cfg, opts, rank, topo, device, groups, stopper_box, progress)
     wires: list[Any] = [None] * topo.world_size
     dist.all_gather_object(wires, (str(me), dataclasses.astuple(built.wire)), group=groups["gloo"])
     if len({w[1] for w in wires}) != 1:
@@ -455,9 +460,8 @@ def _run_role(
             on_step = control.on_step
             if nodes() > 1:  # the other nodes' speakers relay the leader's progress to their units
                 progress = Progress(monitor.job_store())
-                if hasattr(on_step, "beat"):  # service.run.ServiceHooks: beats while paused too, and a
-                    on_step.beat = progress.beat  # stop asked on another node ends the pause
-                    on_step.stop_asked = stopper.asked
+                if control.on_relay is not None:
+                    control.on_relay(progress.beat, stopper.asked)
 
                 def on_step(m: Any, inner: Callable[[Any], None] = control.on_step) -> None:
                     progress.step(m.step)  # first: the hook may pause here (the smoke run)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 
 from dflash_trainer.distributed.elastic import EXIT_PEER, JobOptions, describe_exit, run_job
-from dflash_trainer.service.logs import setup_logging
+from dflash_trainer.logs import setup_logging
 
 log = logging.getLogger("dflash_trainer.launch")
 PR_SET_PDEATHSIG = 1

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dflash_trainer import startup
 from dflash_trainer.service import compile_caches
-from dflash_trainer.service.logs import rank, setup_logging
+from dflash_trainer.logs import rank, setup_logging
 from dflash_trainer.service.notify import Heartbeat, Notifier
 
 log = logging.getLogger("dflash_trainer.service")
@@ -55,6 +55,10 @@ class ServiceHooks:
         self.beat: Callable[[], None] | None = None
         self.stop_asked: Callable[[], bool] | None = None  # a stop asked on any node ends the smoke's pause
         self._relayed: int | None = None
+
+    def attach_relay(self, beat: Callable[[], None], stop_asked: Callable[[], bool]) -> None:
+        """Several nodes, the drafter leader (distributed/launch.py's Control.on_relay)."""
+        self.beat, self.stop_asked = beat, stop_asked
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -218,7 +222,14 @@ def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max
         resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"
     )
     relay = hooks.relay if hooks.notifier.enabled and rank() != topo.drafter_ranks[0] else None
-    control = Control(stop=stop, on_ready=hooks.on_ready, on_step=hooks, on_progress=relay)
+    control = Control(
+        stop=stop,
+        on_ready=hooks.on_ready,
+        on_step=hooks,
+        on_progress=relay,
+        progress=Heartbeat(hooks.notifier),
+        on_relay=hooks.attach_relay,
+    )
     run_rank(cfg, options, control, topo=topo)
 
 
