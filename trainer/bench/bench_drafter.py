@@ -53,7 +53,9 @@ from dflash_trainer.method.loss import LOSS_IMPLS
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.attention import flex_block_mask, resolve_impl
 from dflash_trainer.model.drafter import FULL, SLIDING, DFlashDrafter, DrafterSpec
-from dflash_trainer.train.run import DrafterSide, Horizon, prepare_drafter
+from dflash_trainer.train.drafter_side import DrafterSide
+from dflash_trainer.train.schedule import Horizon
+from dflash_trainer.train.setup import prepare_drafter
 
 H100_BF16_DENSE_PEAK = 989e12  # H100/H200 SXM datasheet, dense (no sparsity)
 NUM_TARGET_LAYERS = 64  # Qwen3.6-27B

@@ -57,14 +57,14 @@ def run_pipeline(args: argparse.Namespace, steps: int, workdir: Path) -> dict:
     argv += ["--log-every", str(max(1, steps // 4)), "--warmup-items", str(max(1, steps // 4))]
     if args.cpu:
         argv.append("--cpu")
-    spawn_local(argv, args.targets + args.drafters, preload=["dflash_trainer.train.run"])
+    spawn_local(argv, args.targets + args.drafters, preload=["dflash_trainer.train.loop"])
     return json.loads(metrics.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from dflash_trainer.distributed.plan import measure_standalone
-    from dflash_trainer.train.run import setup_from_bench
+    from dflash_trainer.fixtures.bench import setup_from_bench
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -2,7 +2,7 @@
 decisions (alerts/watch.py) and the Prometheus textfile (alerts/metrics.py).
 
 The step, item, ready and preflight lines were captured from the lab CT's two-rank dflash-train.service
-(2026-12-05); the one-process line is train/run.py log_line's format."""
+(2026-12-05); the one-process line is train/loop.py log_line's format."""
 
 from __future__ import annotations
 

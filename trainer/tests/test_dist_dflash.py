@@ -31,7 +31,7 @@ def test_tiny_dflash_one_target_two_drafters(tiny_target, tmp_path: Path) -> Non
         topology={"targets": 1, "drafters": 2},
     )
     out = tmp_path / "metrics.json"
-    spawn_local([str(config), "--metrics-out", str(out)], 3, preload=["dflash_trainer.train.run"])
+    spawn_local([str(config), "--metrics-out", str(out)], 3, preload=["dflash_trainer.train.loop"])
 
     ranks = sorted(json.loads(out.read_text())["ranks"], key=lambda r: r["rank"])
     assert [(r["role"], r["items"]) for r in ranks] == [("target", 8), ("drafter", 4), ("drafter", 4)]

@@ -14,7 +14,7 @@ from test_data import first_tokens, make_shards
 
 from dflash_trainer.data.shards import ShardReader, split_held_out
 from dflash_trainer.distributed.stopping import StopSignal, drain_end
-from dflash_trainer.train.run import anchor_seed
+from dflash_trainer.train.schedule import anchor_seed
 
 
 def test_drain_end_bounds_what_is_in_flight() -> None:

@@ -1,6 +1,6 @@
 """An evaluation's log line says its seconds and its share of the time since the last one."""
 
-from dflash_trainer.train.run import eval_share
+from dflash_trainer.evaluation.hooks import eval_share
 
 
 def test_the_share_is_of_training_and_evaluation_together() -> None:

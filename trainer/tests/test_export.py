@@ -72,7 +72,7 @@ def test_export_untrained_is_step_zero_of_the_run(tiny_target, tmp_path, capsys)
     from dflash_trainer.cli import main
     from dflash_trainer.config import load_config
     from dflash_trainer.data.synth import write_shard
-    from dflash_trainer.train.run import Run
+    from dflash_trainer.train.loop import Run
 
     (tmp_path / "shards").mkdir()
     write_shard(tmp_path / "shards" / "a.arrow", [(list(range(1, 25)), [0] * 6 + [1] * 18)] * 4)

@@ -18,7 +18,8 @@ from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
 from dflash_trainer.config import TrainConfig, load_config
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
-from dflash_trainer.train.run import Run, lr_factor, train
+from dflash_trainer.train.loop import Run, train
+from dflash_trainer.train.schedule import lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,7 @@ WALK = ["walk_s", "walk_steps", "walk_tau", "walk_tau_pooled", "walk_tok_s"]
 
 
 def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_target, shards, monkeypatch):
-    from dflash_trainer.train import run as tr
+    from dflash_trainer.evaluation import hooks
 
     seen = []
 
@@ -175,7 +176,7 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
         seen.append((ctx.step, ctx.target is not None, len(ctx.held_out), ctx.drafter.training))
         return {"walk": 1.5}
 
-    monkeypatch.setattr(tr, "EVAL_HOOKS", [*tr.EVAL_HOOKS, decode_walk])
+    monkeypatch.setattr(hooks, "EVAL_HOOKS", [*hooks.EVAL_HOOKS, decode_walk])
     steps = []
     train(
         make_config(tmp_path, tiny_target("qwen3_5"), shards, max_steps=4, eval_every=2), hooks=[steps.append]
@@ -352,12 +353,12 @@ def test_a_failing_evaluation_is_logged_and_training_goes_on(
     """An evaluation bug (a walk crashing on a new target kind, say) ends neither the step nor the run: one
     ERROR line names the evaluation and its cause, and the figures carry `<name>_failed`, which fails the
     smoke report."""
-    import dflash_trainer.train.run as run_module
+    from dflash_trainer.evaluation import hooks
 
     def walk_figures(ctx):
         raise RuntimeError("the walk's cache rollback broke")
 
-    monkeypatch.setattr(run_module, "EVAL_HOOKS", [run_module.held_out_figures, walk_figures])
+    monkeypatch.setattr(hooks, "EVAL_HOOKS", [hooks.held_out_figures, walk_figures])
     cfg = load_config(tiny_run_config(tmp_path / "run.toml", tiny_target("qwen3_5"), shards))
     run = Run(cfg)
     with caplog.at_level("ERROR"):

@@ -21,11 +21,11 @@ from dflash_trainer.data.shards import ShardReader, list_shards, split_held_out
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import spawn_local
 from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
-from dflash_trainer.train.run import train
+from dflash_trainer.train.loop import train
 
 pytestmark = pytest.mark.system
 STEPS = 12
-PRELOAD = ["dflash_trainer.train.run", "dflash_trainer.model.target"]
+PRELOAD = ["dflash_trainer.train.loop", "dflash_trainer.model.target"]
 
 
 def config(tmp_path: Path, name: str, target: Path, shards: Path) -> Path:

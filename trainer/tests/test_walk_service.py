@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from dflash_trainer.service.notify import Notifier
 from dflash_trainer.service.run import ServiceHooks
 from dflash_trainer.service.smoke import report
-from dflash_trainer.train.run import StepMetrics
+from dflash_trainer.train.drafter_side import StepMetrics
 
 FIGURES = {
     "loss": 4.2,

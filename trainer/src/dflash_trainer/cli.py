@@ -37,7 +37,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)  # before torch and FLA load (seconds): a bad config fails at once
-    from dflash_trainer.train.run import train
+    from dflash_trainer.train.loop import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()

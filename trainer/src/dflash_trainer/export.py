@@ -28,10 +28,10 @@ def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
     A baseline: exported and served, it gives the acceptance length of a drafter that learnt nothing.
     """
     from dflash_trainer.model.target import read_text_config
-    from dflash_trainer.train.run import drafter_spec, seed_everything
+    from dflash_trainer.train.setup import drafter_spec, seed_everything
 
     spec = drafter_spec(cfg, read_text_config(cfg.model.target_path))
-    seed_everything(cfg.data.seed)  # as train.run.new_drafter
+    seed_everything(cfg.data.seed)  # as train.setup.new_drafter
     return DFlashDrafter(spec).to(torch.float32)
 
 

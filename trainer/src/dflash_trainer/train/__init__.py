@@ -1,1 +1,1 @@
-"""The training run (run.py): the one path of every topology, a single process being the 1:1 case."""
+"""The training run, one job a module: schedule, setup, target side, drafter side and the one-process loop."""

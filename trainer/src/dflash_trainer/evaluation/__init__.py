@@ -1,0 +1,1 @@
+"""Evaluation of the drafter during training: held-out figures, the decode walk and their hooks."""
