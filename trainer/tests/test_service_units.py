@@ -109,7 +109,7 @@ def test_process_start_time_counts_from_the_process_start():
     import subprocess
     import time
 
-    from dflash_trainer.service.run import process_started
+    from dflash_trainer.service.process import process_started
 
     before = time.time()
     child = subprocess.Popen(["sleep", "5"])

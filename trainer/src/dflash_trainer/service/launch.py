@@ -20,7 +20,6 @@ rendezvous: distributed/elastic.py. Without it this one-host path runs, unchange
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -32,22 +31,15 @@ from collections.abc import Sequence
 
 from dflash_trainer.distributed.elastic import EXIT_PEER, JobOptions, describe_exit, run_job
 from dflash_trainer.logs import setup_logging
+from dflash_trainer.service.process import die_with_parent, process_started
 
 log = logging.getLogger("dflash_trainer.launch")
-PR_SET_PDEATHSIG = 1
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,8 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the job's first node)")
     setup_logging(role="launcher")
     n = args.nproc_per_node
-    from dflash_trainer.service.run import process_started
-
     launched = process_started()  # the ranks' "ready" line counts from here
     if args.rdzv_endpoint:  # several nodes (or one node through the same rendezvous)
         job = JobOptions(
@@ -122,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "DFLASH_LAUNCH_T0": str(launched),
         }
         cmd = [sys.executable, "-m", "dflash_trainer.service", *command]
-        procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(me))
+        procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(me))
     log.info("started %d rank(s): %s", n, " ".join(f"{r}=pid {p.pid}" for r, p in procs.items()))
 
     failed: tuple[int, int] | None = None

@@ -26,9 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflash_trainer import startup
-from dflash_trainer.service import compile_caches
 from dflash_trainer.logs import rank, setup_logging
+from dflash_trainer.service import compile_caches
 from dflash_trainer.service.notify import Heartbeat, Notifier
+from dflash_trainer.service.process import die_with_launcher, process_started
 
 log = logging.getLogger("dflash_trainer.service")
 
@@ -165,21 +166,6 @@ class ServiceHooks:
         }
 
 
-def process_started(pid: int | str = "self") -> float:
-    """Epoch seconds this process started (from /proc: the interpreter's start-up and imports count)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -202,16 +188,6 @@ def node_speaker(speaker: int) -> bool:
         return False
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # elastic numbers ranks node by node
     return os.environ.get("LOCAL_RANK") == "0" and rank() // per_node != speaker // per_node
-
-
-def die_with_launcher() -> None:
-    """Under the multi-node launcher (distributed/elastic.py, whose agent's Popen has no hook for it): no
-    rank outlives the launcher, even one stopped or hung."""
-    pid = os.environ.get("DFLASH_LAUNCHER_PID")
-    if pid:
-        from dflash_trainer.service.launch import _die_with_parent
-
-        _die_with_parent(int(pid))
 
 
 def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
