@@ -1,4 +1,4 @@
-"""The fused loss's Triton kernel (model.ce_rows) against the torch path it replaces.
+"""The fused loss's Triton kernel (method.ce_rows) against the torch path it replaces.
 
 On CPU the kernel runs in Triton's interpreter, which triton picks at import (TRITON_INTERPRET=1): the CPU
 test runs this file and the loss tests in a child pytest with that variable, so that the "fused" loss goes
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trainer.model.ce_rows import ce_rows_, runs_here
+from dflash_trainer.method.ce_rows import ce_rows_, runs_here
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HERE = Path(__file__).parent

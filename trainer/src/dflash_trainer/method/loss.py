@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_trainer.model import ce_rows
+from dflash_trainer.method import ce_rows
 
 # Decay of the loss weight along the block, from the paper: gamma 7 for B=16, 5 for 10, 4 for 8.
 _GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -61,7 +61,7 @@ class _GradInForwardCE(torch.autograd.Function):
     FLOPs per position where recomputing the chunk under activation checkpointing spent 6, and passes over
     the [chunk, V] fp32 logits fewer times. The gradient kept for backward is [n, H]; backward only scales it.
     With `rows_kernel`, where Triton runs (CUDA), each chunk's loss, argmax and softmax gradient come from one
-    kernel over the bf16 logits (model.ce_rows) instead of ten torch passes over an fp32 copy.
+    kernel over the bf16 logits (method.ce_rows) instead of ten torch passes over an fp32 copy.
     """
 
     @staticmethod

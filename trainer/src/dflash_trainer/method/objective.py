@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -15,7 +15,16 @@ from dflash_trainer.method.loss import chunked_block_loss, gamma_for_block_size,
 
 if TYPE_CHECKING:
     from dflash_trainer.data.batch import TargetBatch
-    from dflash_trainer.model.drafter import DFlashDrafter
+
+
+class BlockDrafter(Protocol):
+    """What the objective needs of a drafter (model.drafter.DFlashDrafter is one)."""
+
+    def forward_blocks(
+        self, context: torch.Tensor, noise_embedding: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [B, A*Bs, H] of every block, laid out as method.blocks lays out the ids."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class ObjectiveOutput:
 
 
 def dflash_loss(
-    drafter: DFlashDrafter,
+    drafter: BlockDrafter,
     target_batch: TargetBatch,
     embed_tokens: nn.Embedding,
     lm_head: nn.Linear,
