@@ -64,7 +64,7 @@ def test_a_killed_rank_is_named_with_its_signal() -> None:
 def test_a_rank_that_raised_is_named_with_its_status_and_its_last_words() -> None:
     lines = [
         "rank 1 drafter: critical: RuntimeError: injected failure at step 3 (DFLASH_FAULT)",
-        "launcher: error: rank 1 exited with status 1; stopping the other ranks",  # service/launch.py
+        "launcher: error: rank 1 exited with status 1; stopping the other ranks",  # service/supervisor.py
     ]
     cause = classify(lines, "exit-code")
     assert (cause.kind, cause.rank, cause.exit_status) == ("rank_exit", 1, 1)
@@ -140,7 +140,7 @@ def test_a_node_that_left_is_named() -> None:
 @pytest.mark.parametrize(
     ("lines", "kind", "summary"),
     [
-        (  # service/run.py and service/launch.py after SIGTERM
+        (  # service/serve.py and service/supervisor.py after SIGTERM
             [
                 "rank 1 drafter: SIGTERM: saving a checkpoint after this step, then exiting",
                 "rank 1 drafter: stopped at step 23; checkpoint /var/lib/dflash/train/ckpt/step-00000023",

@@ -222,7 +222,7 @@ def test_rehearse_writes_its_config_with_the_overlay_and_the_writer(tmp_path: Pa
 
 
 def test_a_rank_refuses_a_topology_for_another_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflash_trainer.distributed.launch import RankOptions, run_rank
+    from dflash_trainer.distributed.rank import RankOptions, run_rank
     from dflash_trainer.distributed.topology import Topology
 
     monkeypatch.setenv("RANK", "0")

@@ -21,7 +21,7 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*injecting fault",
 
 def torchrun(nproc: int, *args: str, env: dict[str, str], timeout: float = 120) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["--monitor-interval=0.5", "-m", "dflash_trainer.distributed.launch", *args]
+    cmd += ["--monitor-interval=0.5", "-m", "dflash_trainer.distributed.rank", *args]
     proc = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.time()
 

@@ -20,7 +20,7 @@ def test_two_nodes_over_c10d_rendezvous(tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dflash-test"]
-    cmd += ["--monitor-interval=0.5", "-m", "dflash_trainer.distributed.launch", "--synthetic"]
+    cmd += ["--monitor-interval=0.5", "-m", "dflash_trainer.distributed.rank", "--synthetic"]
     cmd += ["--targets", "1", "--drafters", "1", "--steps", "10", "--metrics-out", str(out)]
     nodes = [
         subprocess.Popen(cmd, env=os.environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -75,7 +75,7 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
     )  # fmt: skip
     import logging
 
-    from dflash_trainer.distributed.launch import Control, build_parser, options_from_args, run_rank
+    from dflash_trainer.distributed.rank import Control, build_parser, options_from_args, run_rank
 
     logging.basicConfig(level=logging.INFO, format=f"rank {local_rank}: %(message)s")
     stop = threading.Event()

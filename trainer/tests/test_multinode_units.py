@@ -25,7 +25,7 @@ def test_preflight_counts_the_ranks_of_every_node(tmp_path: Path, tiny_target) -
 
 
 def test_the_launcher_refuses_several_nodes_without_an_endpoint(capsys) -> None:
-    from dflash_trainer.service.launch import main
+    from dflash_trainer.service.supervisor import main
 
     with pytest.raises(SystemExit) as e:
         main(["--nnodes", "2", "--", "serve", "x.toml"])

@@ -17,7 +17,7 @@ from tiny_run import tiny_run_config
 
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.manifest import write_manifest
-from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
 
 STEPS = 6
 # A stand-in for a wandb whose server cannot be reached: the API the code calls (trackers.WANDB_NEEDS), and an
@@ -53,7 +53,7 @@ def add_scalar(self, tag=None, scalar_value=None, global_step=None, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
     return real(self, tag=tag, scalar_value=scalar_value, global_step=global_step, **kw)
 SummaryWriter.add_scalar = add_scalar
-from dflash_trainer.service.run import main
+from dflash_trainer.service.serve import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 from dflash_trainer.service.notify import Notifier
-from dflash_trainer.service.run import ServiceHooks
+from dflash_trainer.service.serve import ServiceHooks
 from dflash_trainer.service.smoke import report
 from dflash_trainer.train.drafter_side import StepMetrics
 

@@ -24,8 +24,8 @@ What this thin supervisor adds, for the unit's contracts (the same as the one-ho
   operator's `systemctl stop`) says so in the store: the job stops gracefully with one checkpoint as for any
   stop, that node's unit ends as success, and every other node's launcher exits EXIT_NODE_LEFT naming it, so
   that systemd restarts those units and they wait in the rendezvous until the node is back;
-- ranks get DFLASH_LAUNCHER_PID and set PR_SET_PDEATHSIG themselves (service/run.py): the agent's Popen has no
-  hook for it, and no rank may outlive a launcher killed by the watchdog.
+- ranks get DFLASH_LAUNCHER_PID and set PR_SET_PDEATHSIG themselves (service/process.py): the agent's Popen
+  has no hook for it, and no rank may outlive a launcher killed by the watchdog.
 """
 
 from __future__ import annotations

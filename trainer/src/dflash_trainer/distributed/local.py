@@ -1,4 +1,4 @@
-"""Run the pipeline's ranks as local processes without torchrun (tests, the bench): the same `launch.main`,
+"""Run the pipeline's ranks as local processes without torchrun (tests, the bench): the same `rank.main`,
 started from a forkserver that imported torch once, so K ranks do not each pay the import on a small machine.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.launch", "dflash_trainer.train.run"]
+PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.rank", "dflash_trainer.train.run"]
 
 
 def free_port() -> int:
@@ -34,7 +34,7 @@ def _worker(local_rank: int, argv: list[str], world: int, port: int, env: dict[s
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from dflash_trainer.distributed.launch import main
+    from dflash_trainer.distributed.rank import main
 
     code = main(argv)
     if code:
@@ -44,7 +44,7 @@ def _worker(local_rank: int, argv: list[str], world: int, port: int, env: dict[s
 def spawn_local(
     argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None = None, preload: Sequence[str] = ()
 ) -> None:
-    """Runs `launch.main(argv)` on ranks 0..nprocs-1; raises if any rank fails (the others are terminated)."""
+    """Runs `rank.main(argv)` on ranks 0..nprocs-1; raises if any rank fails (the others are terminated)."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     mp.start_processes(
         _worker,

@@ -23,13 +23,13 @@ def smoke_main(argv: Sequence[str] | None = None) -> int:
 
 
 def service_main(argv: Sequence[str] | None = None) -> int:
-    from dflash_trainer.service.run import main
+    from dflash_trainer.service.serve import main
 
     return main(argv)
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:
-    from dflash_trainer.service.launch import main
+    from dflash_trainer.service.supervisor import main
 
     return main(argv)
 

@@ -1,5 +1,5 @@
-"""Process helpers shared by the launcher (service/launch.py) and its ranks (service/run.py): when a process
-started, and a child that dies with its parent."""
+"""Process helpers shared by the launcher (service/supervisor.py) and its ranks (service/serve.py): when a
+process started, and a child that dies with its parent."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`dflash-train serve CONFIG`: one rank of the training job as systemd sees it.
 
 The configuration is loaded and validated once, here, and the object handed to the run: this rank's role of
-the pipeline (distributed/launch.py `run_rank`, the sides of train/run.py) when the launcher started more
+the pipeline (distributed/rank.py `run_rank`, the sides of train/run.py) when the launcher started more
 than one rank, else the 1:1 pipeline in this one process (train/run.py `train`). The same run either way:
 READY=1 once every rank has loaded the target, drafter, data and the newest checkpoint; STATUS= (step, loss,
 tokens/s) and WATCHDOG=1 from the drafter leader's per-step hook (it waits on every target through its
@@ -52,13 +52,13 @@ class ServiceHooks:
         self.busy_s = 0.0
         self.last = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
-        # Several nodes, the drafter leader: tells the other nodes' units it is alive (distributed/launch.py).
+        # Several nodes, the drafter leader: tells the other nodes' units it is alive (distributed/rank.py).
         self.beat: Callable[[], None] | None = None
         self.stop_asked: Callable[[], bool] | None = None  # a stop asked on any node ends the smoke's pause
         self._relayed: int | None = None
 
     def attach_relay(self, beat: Callable[[], None], stop_asked: Callable[[], bool]) -> None:
-        """Several nodes, the drafter leader (distributed/launch.py's Control.on_relay)."""
+        """Several nodes, the drafter leader (distributed/rank.py's Control.on_relay)."""
         self.beat, self.stop_asked = beat, stop_asked
 
     def on_ready(self, *_: object) -> None:
@@ -192,7 +192,7 @@ def node_speaker(speaker: int) -> bool:
 
 def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
     """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job)."""
-    from dflash_trainer.distributed.launch import Control, RankOptions, run_rank
+    from dflash_trainer.distributed.rank import Control, RankOptions, run_rank
 
     options = RankOptions(
         resume=True, log_every=cfg.train.log_every, max_steps=max_steps, cpu=cfg.train.device == "cpu"

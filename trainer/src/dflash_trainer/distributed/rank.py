@@ -1,5 +1,5 @@
-"""Every rank of the pipeline: `torchrun ... -m dflash_trainer.distributed.launch CONFIG [options]`, or
-`run_rank(cfg, options, control)` from `dflash-train serve` (service/run.py), with the configuration object
+"""Every rank of the pipeline: `torchrun ... -m dflash_trainer.distributed.rank CONFIG [options]`, or
+`run_rank(cfg, options, control)` from `dflash-train serve` (service/serve.py), with the configuration object
 that rank already loaded and validated: it is loaded once per rank and never rebuilt from argv.
 
 Sets up the process groups, takes the rank's role, builds its side of the run (train/run.py: TargetSide on
@@ -89,7 +89,7 @@ class RankOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash_trainer.distributed.launch", description=__doc__)
+    p = argparse.ArgumentParser(prog="dflash_trainer.distributed.rank", description=__doc__)
     p.add_argument("config", nargs="?", type=Path, help="training TOML (omit with --synthetic or --bench)")
     p.add_argument("--synthetic", action="store_true", help="model-free stand-in workload (CI)")
     p.add_argument("--bench", choices=("tiny", "qwen3-8b"), help="random models of a bench size")
@@ -128,7 +128,7 @@ def options_from_args(args: argparse.Namespace) -> RankOptions:
 
 @dataclass
 class Control:
-    """What `dflash-train serve` adds to a rank (service/run.py); plain torchrun launches pass none."""
+    """What `dflash-train serve` adds to a rank (service/serve.py); plain torchrun launches pass none."""
 
     stop: threading.Event  # set on SIGTERM: the ranks agree on a stop step (stopping.py), save, return 0
     on_ready: Callable[[], None]  # every rank, once all ranks have loaded (and resumed)
