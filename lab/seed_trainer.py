@@ -31,8 +31,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     from dflash_trainer.data.synth import synth_shards
+    from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
     from dflash_trainer.manifest import write_manifest
-    from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
 
     torch.set_num_threads(1)  # two shared cores: one thread is as fast and leaves the other to the lab
     if not model_dir.exists():

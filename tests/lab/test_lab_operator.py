@@ -130,7 +130,7 @@ def test_seed_holds_no_mask_token_and_says_how_far_it_is(scratch_seed) -> None:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer" / "src")},
     )
     size, top = map(int, proc.stdout.split())
-    # The tiny target's mask token is its last id (dflash_trainer.model.tiny.TINY_MASK_TOKEN_ID).
+    # The tiny target's mask token is its last id (dflash_trainer.fixtures.tiny.TINY_MASK_TOKEN_ID).
     mask = json.loads((out / "model" / "config.json").read_text())["vocab_size"] - 1
     assert size == seed.NUM_SHARDS * 64 * 64
     assert top < mask

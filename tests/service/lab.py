@@ -96,7 +96,7 @@ def host_data() -> Path:
     code = f"""
 import torch; torch.set_num_threads(1)
 from pathlib import Path
-from dflash_trainer.model.tiny import write_tiny_target, TINY_MASK_TOKEN_ID
+from dflash_trainer.fixtures.tiny import write_tiny_target, TINY_MASK_TOKEN_ID
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.manifest import write_manifest
 out = Path("{HOST_CACHE}")

@@ -68,8 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_drafter's helpers
 from bench_drafter import H100_BF16_DENSE_PEAK, KERNEL_KINDS, environment, matmul_rate, profile_steps, sync
 
+from dflash_trainer.fixtures.shapes import SHAPES, write_random_target
 from dflash_trainer.method.layers import target_layer_ids
-from dflash_trainer.model.shapes import SHAPES, write_random_target
 from dflash_trainer.model.target import (
     CompiledCapture,
     GraphedCapture,

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     if not (args.target / "MANIFEST.json").exists():
-        from dflash_trainer.model.shapes import write_random_target
+        from dflash_trainer.fixtures.shapes import write_random_target
 
         t0 = time.perf_counter()
         write_random_target(args.target, args.shape, device=device, progress=lambda _t: None)

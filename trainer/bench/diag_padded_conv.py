@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from dflash_trainer.fixtures.tiny import tiny_token_ids, write_tiny_target
 from dflash_trainer.model.target import compile_layers, load_target
-from dflash_trainer.model.tiny import tiny_token_ids, write_tiny_target
 
 
 def conv_strided_vs_contiguous() -> None:

@@ -32,7 +32,7 @@ from dflash_trainer.config import load_config
 from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.evaluate import evaluate, walk_prompts
 from dflash_trainer.export import export_draft, load_draft
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
+from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
 from dflash_trainer.train.loop import Run
 from dflash_trainer.train.setup import objective_config
 from dflash_trainer.walk import WalkResult, WalkSettings, decode_walk

@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_target(kind) -> directory of a seed-0 tiny target of that kind, written on first use."""
-    from dflash_trainer.model.tiny import write_tiny_target
+    from dflash_trainer.fixtures.tiny import write_tiny_target
 
     cache: dict[str, Path] = {}
 

@@ -12,7 +12,7 @@ from test_config import write_config
 from dflash_trainer import __version__
 from dflash_trainer.cli import main
 from dflash_trainer.config import load_config
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 
 from dflash_trainer.export import check_export, export_draft, load_draft
+from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, tiny_token_ids
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID, tiny_token_ids
 
 
 def test_config_and_weights(small_spec, tmp_path) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
+from dflash_trainer.fixtures.tiny import tiny_token_ids
 from dflash_trainer.model import target as target_module
 from dflash_trainer.model.fused_projections import (
     DEDUPLICATE_MATMULS,
@@ -17,7 +18,6 @@ from dflash_trainer.model.fused_projections import (
     fuse_projections,
 )
 from dflash_trainer.model.target import CompiledCapture, compile_layers, load_target
-from dflash_trainer.model.tiny import tiny_token_ids
 
 LAYER_IDS = [
     1,

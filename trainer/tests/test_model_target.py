@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
+from dflash_trainer.fixtures.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID, tiny_token_ids, write_tiny_target
 from dflash_trainer.model.target import CAUSAL_LM_CLASSES, load_target, read_text_config
-from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID, tiny_token_ids, write_tiny_target
 
 LAYER_IDS = [1, 3, 5]
 
@@ -125,7 +125,7 @@ def test_random_target_of_a_published_shape_loads_in_its_published_layout(tmp_pa
 
 
 def test_the_reference_shape_is_the_published_one():
-    from dflash_trainer.model.shapes import published_config
+    from dflash_trainer.fixtures.shapes import published_config
 
     text = published_config("qwen3.6-27b").text_config
     assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers) == (5120, 17408, 64)
@@ -178,7 +178,7 @@ def test_fast_load_path_equals_from_pretrained(tiny_target, kind):
 def test_fast_load_reads_only_the_shards_the_truncated_target_needs(tmp_path):
     """On a sharded checkpoint with its index, shards holding only the vision tower or layers after the last
     captured one are not read, and the model equals transformers' own load of the same layers."""
-    from dflash_trainer.model.shapes import write_random_target
+    from dflash_trainer.fixtures.shapes import write_random_target
     from dflash_trainer.model.target import (
         CAUSAL_LM_CLASSES,
         _fast_load,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
+from dflash_trainer.fixtures.tiny import TINY_KINDS, tiny_token_ids
 from dflash_trainer.model.target import CAUSAL_LM_CLASSES, load_target, read_text_config
-from dflash_trainer.model.tiny import TINY_KINDS, tiny_token_ids
 
 
 def _served_features(path, kind: str, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
+from dflash_trainer.fixtures.tiny import TINY_KINDS, tiny_token_ids
 from dflash_trainer.model.target import (
     COMPILE_SCOPES,
     CompiledCapture,
@@ -16,7 +17,6 @@ from dflash_trainer.model.target import (
     load_target,
     unpadded_masks,
 )
-from dflash_trainer.model.tiny import TINY_KINDS, tiny_token_ids
 
 LAYER_IDS = [1, 3, 5]
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dflash_trainer.fixtures.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
 from dflash_trainer.method.objective import ObjectiveConfig, dflash_loss
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.model.target import TargetModel, load_target
-from dflash_trainer.model.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
 from dflash_trainer.walk import (
     PromptWalk,
     WalkSettings,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.model.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 
 
 def toml_value(value: Any) -> str:

@@ -76,7 +76,7 @@ def cmd_data_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_model_tiny(args: argparse.Namespace) -> int:
-    from dflash_trainer.model.tiny import TINY_KINDS, write_tiny_target
+    from dflash_trainer.fixtures.tiny import TINY_KINDS, write_tiny_target
 
     if args.kind not in TINY_KINDS:
         raise UserError(f"--kind {args.kind!r}: choose from {', '.join(TINY_KINDS)}")
@@ -85,7 +85,7 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_model_random(args: argparse.Namespace) -> int:
-    from dflash_trainer.model.shapes import write_random_target
+    from dflash_trainer.fixtures.shapes import write_random_target
 
     try:
         out = write_random_target(

@@ -64,8 +64,8 @@ def synth_shards(
     continuation with `mask_token_id` suppressed). Deterministic from the seed; returns the shard paths.
 
     Every token is below `vocab_size` (default: the target's) and never `mask_token_id` (default: the
-    vocabulary's last id, the tiny targets' mask token, model.tiny.TINY_MASK_TOKEN_ID): prompts are drawn so,
-    and the greedy continuation is kept from picking them.
+    vocabulary's last id, the tiny targets' mask token, fixtures.tiny.TINY_MASK_TOKEN_ID): prompts are drawn
+    so, and the greedy continuation is kept from picking them.
     """
     from dflash_trainer.model.target import load_target, read_text_config
 
