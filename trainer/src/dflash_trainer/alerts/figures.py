@@ -23,6 +23,7 @@ from dflash_trainer.alerts.classify import _split
 STATES = ("busy", "data", "wait_send", "wait_recv")
 _WINDOW = re.compile(
     r"busy (\d+)% data (\d+)% wait_send (\d+)% wait_recv (\d+)% in-flight ([\d.]+) tok/s (\d+)"
+    r"(?: gpu_mem ([\d.]+)/([\d.]+) GiB)?"
 )
 _PIPE_STEP = re.compile(r"^step (\d+): loss ([\d.eE+-]+|nan|inf)")
 _ONE_STEP = re.compile(r"^step (\d+) loss ([\d.eE+-]+|nan|inf) .*?tok/s (\d+)")
@@ -41,6 +42,8 @@ class RankFigures:
     tokens_per_s: float = 0.0
     shares: dict[str, float] = field(default_factory=dict)  # busy, data, wait_send, wait_recv, idle
     at: float = 0.0
+    gpu_allocated_gib: float | None = None  # CUDA memory of the rank, from its window line
+    gpu_reserved_gib: float | None = None
 
 
 @dataclass
@@ -92,7 +95,8 @@ class Figures:
         if w := _WINDOW.search(text):
             shares = {s: int(w.group(i + 1)) / 100 for i, s in enumerate(STATES)}
             shares["idle"] = round(max(0.0, 1.0 - sum(shares.values())), 2)
-            self.ranks[rank] = RankFigures(role or "?", float(w.group(6)), shares, at)
+            allocated, reserved = (float(g) if g else None for g in w.group(7, 8))
+            self.ranks[rank] = RankFigures(role or "?", float(w.group(6)), shares, at, allocated, reserved)
         if leader and self.step is not None:
             self.step_at = at
             self.history.append((at, self.step, self.pipeline_tokens_per_s()))

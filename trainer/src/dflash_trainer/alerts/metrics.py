@@ -68,6 +68,15 @@ def render(
             for s, v in x.shares.items()
         ],
     )
+    gauge(
+        "rank_gpu_memory_bytes",
+        "each rank's CUDA memory at its last log window (kind: allocated, reserved)",
+        [
+            ({"rank": r, "role": x.role, "kind": kind}, gib * 2**30 if gib is not None else None)
+            for r, x in sorted(f.ranks.items())
+            for kind, gib in (("allocated", x.gpu_allocated_gib), ("reserved", x.gpu_reserved_gib))
+        ],
+    )
     gauge("checkpoint_step", "the newest complete checkpoint's step", [({}, checkpoint_step)])
     gauge(
         "checkpoint_age_seconds", "seconds since the newest checkpoint was written", [({}, checkpoint_age_s)]

@@ -17,6 +17,18 @@ from dataclasses import dataclass, field
 STATES = ("busy", "data", "wait_send", "wait_recv")
 
 
+def gpu_memory() -> str:
+    """` gpu_mem A/R GiB`: this rank's allocated and reserved CUDA memory (the alerts' metrics read it from
+    the window line); "" where CUDA is not in use."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    gib = 2**30
+    return f" gpu_mem {torch.cuda.memory_allocated() / gib:.2f}/{torch.cuda.memory_reserved() / gib:.2f} GiB"
+
+
 @dataclass
 class RankSummary:
     rank: int
@@ -100,6 +112,7 @@ class RankMeter:
         return (
             f"busy {frac['busy']:.0%} data {frac['data']:.0%} wait_send {frac['wait_send']:.0%} "
             f"wait_recv {frac['wait_recv']:.0%} in-flight {depth:.1f} tok/s {(self.tokens - tok0) / span:.0f}"
+            + gpu_memory()
         )
 
     def summary(self, **extra: float | int | str) -> RankSummary:
