@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer import walk
 from dflash_trainer.config import load_config, read_target_info, validate
+from dflash_trainer.evaluation import walk
 from dflash_trainer.model.target import load_target
 from dflash_trainer.train.setup import autocast, drafter_spec, new_drafter
 from dflash_trainer.train.target_side import training_capture

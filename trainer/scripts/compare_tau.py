@@ -3,7 +3,7 @@
 The learn-demo recipe (learn_demo.py) on a tiny Qwen3 target: train, export the EMA with `export_draft` (what
 `dflash-train export --dtype float32` writes), then decode the same held-out prompts twice, greedily:
 
-- the trainer's decode walk (dflash_trainer.walk) on the exported drafter, as training runs it;
+- the trainer's decode walk (dflash_trainer.evaluation.walk) on the exported drafter, as training runs it;
 - dflash's `dflash_generate` with its `DFlashDraftModel.from_pretrained` of the export and a fresh
   `Qwen3ForCausalLM`, tau as its benchmark prints it (mean over prompts of the per-prompt mean).
 
@@ -30,12 +30,12 @@ from learn_demo import CONFIG  # the recipe itself, not a copy
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.synth import synth_shards
-from dflash_trainer.evaluate import evaluate, walk_prompts
+from dflash_trainer.evaluation.held_out import evaluate, walk_prompts
+from dflash_trainer.evaluation.walk import WalkResult, WalkSettings, decode_walk
 from dflash_trainer.export import export_draft, load_draft
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
 from dflash_trainer.train.loop import Run
 from dflash_trainer.train.setup import objective_config
-from dflash_trainer.walk import WalkResult, WalkSettings, decode_walk
 
 
 def dflash_tau(export_dir: Path, target_dir: Path, prompts: list[torch.Tensor], new_tokens: int) -> float:

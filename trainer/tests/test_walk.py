@@ -14,11 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash_trainer.fixtures.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
-from dflash_trainer.method.objective import ObjectiveConfig, dflash_loss
-from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
-from dflash_trainer.model.target import TargetModel, load_target
-from dflash_trainer.walk import (
+from dflash_trainer.evaluation.walk import (
     PromptWalk,
     WalkSettings,
     _TargetCache,
@@ -27,6 +23,10 @@ from dflash_trainer.walk import (
     stop_token_ids,
     summarize,
 )
+from dflash_trainer.fixtures.tiny import TINY_KINDS, TINY_MASK_TOKEN_ID
+from dflash_trainer.method.objective import ObjectiveConfig, dflash_loss
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
+from dflash_trainer.model.target import TargetModel, load_target
 
 LAYER_IDS = [1, 4, 7]  # 7: the tiny targets' last layer, read after the final norm
 BLOCK = 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_walk import TRAINED_NEW, _fit, _greedy
 
-from dflash_trainer.walk import WalkSettings, _TargetCache, decode_walk
+from dflash_trainer.evaluation.walk import WalkSettings, _TargetCache, decode_walk
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_recorded_states_equal_the_states_of_running_the_tokens_again(hybrid) ->
     for mode in ("recorded", "rerun"):
         cache = _TargetCache(model, mode)  # type: ignore[arg-type]
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            from dflash_trainer.walk import _recorder
+            from dflash_trainer.evaluation.walk import _recorder
 
             with _recorder.installed():
                 cache.forward(prompt, logits_to_keep=1)

@@ -88,7 +88,7 @@ class LoopConfig:
     ema_decay: float = 0.999
     ema_every: int = 10
     eval_every: int = 500  # 0: never
-    # The decode walk at each evaluation (dflash_trainer.walk): real speculative decoding of held-out prompts.
+    # The decode walk at each evaluation (evaluation/walk.py): real speculative decoding of held-out prompts.
     eval_walk_prompts: int = 8  # up to this many held-out rows' prompts are walked; 0: no walk
     eval_walk_new_tokens: int = 128  # tokens generated per prompt
     eval_walk_prompt_len: int = 256  # a longer prompt keeps its last tokens

@@ -12,9 +12,9 @@ from torch import nn
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch
-from dflash_trainer.evaluate import evaluate, walk_prompts
+from dflash_trainer.evaluation.held_out import evaluate, walk_prompts
+from dflash_trainer.evaluation.walk import WalkSettings, decode_walk, stop_token_ids
 from dflash_trainer.train.setup import autocast, objective_config
-from dflash_trainer.walk import WalkSettings, decode_walk, stop_token_ids
 
 
 @dataclass
@@ -42,7 +42,7 @@ def held_out_figures(ctx: EvalContext) -> dict[str, float]:
 
 
 def walk_figures(ctx: EvalContext) -> dict[str, float]:
-    """The decode walk (dflash_trainer.walk): `walk_tau`, the acceptance length serving reports."""
+    """The decode walk (dflash_trainer.evaluation.walk): `walk_tau`, the acceptance length serving reports."""
     t = ctx.cfg.train
     prompts = walk_prompts(ctx.held_out, t.eval_walk_prompts, t.eval_walk_prompt_len)
     if not prompts:

@@ -1,7 +1,7 @@
 """Per-anchor acceptance: what greedy speculative decoding would accept per training block.
 
 Per block this is dflash's rule; averaged over anchors sampled uniformly by position it is NOT the acceptance
-length serving reports (that is the decode walk's tau, dflash_trainer.walk): decoding advances by the
+length serving reports (that is the decode walk's tau, evaluation/walk.py): decoding advances by the
 accepted length, so long accepted stretches take few steps, and a per-position average overweights them.
 """
 

@@ -2,7 +2,7 @@
 
 Two acceptance figures, kept apart by name:
 
-- `walk_tau` (dflash_trainer.walk): real greedy speculative decoding of held-out prompts, the figure serving
+- `walk_tau` (evaluation/walk.py): real greedy speculative decoding of held-out prompts, the figure serving
   reports (dflash's "Average Acceptance length"). The one to judge a drafter by.
 - `anchor_accept`: the mean of (accepted run + 1) over training-style blocks at anchors sampled uniformly by
   position. Decoding advances by the accepted length, so long accepted stretches take few steps; the
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.data.batch import Batch
+from dflash_trainer.evaluation.walk import WalkResult, WalkSettings, decode_walk, prompts_from_rows
 from dflash_trainer.method.objective import ObjectiveConfig, dflash_loss
 from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.model.target import TargetModel
-from dflash_trainer.walk import WalkResult, WalkSettings, decode_walk, prompts_from_rows
 
 EVAL_SEED = 1234
 
