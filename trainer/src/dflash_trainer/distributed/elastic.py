@@ -8,7 +8,7 @@ rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py) forms th
 environment (RANK = group rank * N + local rank, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT of the
 store the group-rank-0 agent hosts), monitors them and waits for the other nodes at the exit barrier.
 
-What this thin supervisor adds, for the unit's contracts (the same as the one-host launcher's, launch.py):
+What this thin supervisor adds, for the unit's contracts (as service/supervisor.py does on one host):
 - the agent runs in a thread, so torch's signal handlers are not installed (PContext.start installs them on
   the main thread only) and SIGTERM is ours: forwarded to this node's ranks, which agree on a stop step with
   every other node through the job's store, the drafter leader saves, every rank exits 0, every agent passes

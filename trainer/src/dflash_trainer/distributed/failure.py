@@ -237,7 +237,7 @@ def handle_failure(
         os._exit(EXIT_PEER)
     if peer_lost(exc):
         # A peer vanished (its node killed or rebooted) mid-transfer: the consequence here, not a cause. Its
-        # heartbeat stops; the launchers name the node (distributed/elastic.py, launch.py).
+        # heartbeat stops; the launchers name the node (distributed/elastic.py, service/supervisor.py).
         log.error("stopping: lost the connection to a peer: %s", str(exc).split(". This is")[0][:300])
         logging.shutdown()
         os._exit(EXIT_PEER)
