@@ -16,8 +16,8 @@ import pytest
 from tiny_run import tiny_run_config
 
 from dflash_trainer.data.synth import synth_shards
-from dflash_trainer.manifest import write_manifest
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
+from dflash_trainer.manifest import write_manifest
 
 STEPS = 6
 # A stand-in for a wandb whose server cannot be reached: the API the code calls (trackers.WANDB_NEEDS), and an
