@@ -22,6 +22,7 @@ start)
   shift
   rm -rf "$STATE"
   mkdir -p "$STATE/out"
+  export STATE  # the detached shell writes its figures under it
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
