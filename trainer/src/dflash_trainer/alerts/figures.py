@@ -26,7 +26,9 @@ _WINDOW = re.compile(
     r"(?: gpu_mem ([\d.]+)/([\d.]+) GiB)?"
 )
 _PIPE_STEP = re.compile(r"^step (\d+): loss ([\d.eE+-]+|nan|inf)")
-_ONE_STEP = re.compile(r"^step (\d+) loss ([\d.eE+-]+|nan|inf) .*?tok/s (\d+)")
+_ONE_STEP = re.compile(
+    r"^step (\d+) loss ([\d.eE+-]+|nan|inf) .*?tok/s (\d+)(?: gpu_mem ([\d.]+)/([\d.]+) GiB)?"
+)
 _END = re.compile(r"^(?:stopped|finished) at step (\d+)|resumed from .*\(step (\d+)\)")
 _TAU = re.compile(r"walk[ _]tau ([\d.]+)")
 _EVAL = re.compile(r"^evaluation at step (\d+):")
@@ -89,7 +91,8 @@ class Figures:
         leader = False
         if m := _ONE_STEP.match(text):
             self.step, self.loss, leader = int(m.group(1)), float(m.group(2)), True
-            self.ranks[rank] = RankFigures(role or "trainer", float(m.group(3)), {}, at)
+            allocated, reserved = (float(g) if g else None for g in m.group(4, 5))
+            self.ranks[rank] = RankFigures(role or "trainer", float(m.group(3)), {}, at, allocated, reserved)
         elif m := _PIPE_STEP.match(text):
             self.step, self.loss, leader = int(m.group(1)), float(m.group(2)), True
         if w := _WINDOW.search(text):

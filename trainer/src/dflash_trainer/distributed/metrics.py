@@ -14,19 +14,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from dflash_trainer.device_memory import gpu_memory
+
 STATES = ("busy", "data", "wait_send", "wait_recv")
-
-
-def gpu_memory() -> str:
-    """` gpu_mem A/R GiB`: this rank's allocated and reserved CUDA memory (the alerts' metrics read it from
-    the window line); "" where CUDA is not in use."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return ""
-    gib = 2**30
-    return f" gpu_mem {torch.cuda.memory_allocated() / gib:.2f}/{torch.cuda.memory_reserved() / gib:.2f} GiB"
 
 
 @dataclass

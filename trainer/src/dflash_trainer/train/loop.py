@@ -15,6 +15,7 @@ import torch
 
 from dflash_trainer import startup
 from dflash_trainer.config import TrainConfig
+from dflash_trainer.device_memory import gpu_memory
 from dflash_trainer.train.drafter_side import DrafterSide, StepMetrics, find_resume
 from dflash_trainer.train.schedule import Position, eval_due, horizon
 from dflash_trainer.train.setup import resolve_device, setup_from_config
@@ -37,7 +38,7 @@ class TrainResult:
 def log_line(m: StepMetrics) -> str:
     line = (
         f"step {m.step} loss {m.loss:.4f} lr {m.lr:.2e} grad {m.grad_norm:.2f} "
-        f"anchor_accept {m.anchor_accept:.2f} tok/s {m.tokens_per_s:.0f}"
+        f"anchor_accept {m.anchor_accept:.2f} tok/s {m.tokens_per_s:.0f}" + gpu_memory()
     )
     if m.eval:
         e = m.eval
