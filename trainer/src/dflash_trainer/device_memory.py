@@ -13,5 +13,3 @@ def gpu_memory() -> str:
         return ""
     gib = 2**30
     return f" gpu_mem {torch.cuda.memory_allocated() / gib:.2f}/{torch.cuda.memory_reserved() / gib:.2f} GiB"
-
-
