@@ -2,11 +2,11 @@
 
 The lines (service/logs.py prefixes each with `rank R ROLE: `):
 - a drafter rank:  `step N: loss L anchor_accept A lr X | busy B% data D% wait_send S% wait_recv W%
-  in-flight F tok/s T` (distributed/roles.py run_drafter, train/run.py DrafterSide.step)
+  in-flight F tok/s T` (distributed/roles.py run_drafter, train/drafter_side.py DrafterSide.step)
 - a target rank:   `item N: busy B% ... tok/s T` (roles.py run_target)
 - one process:     `step N loss L lr X grad G anchor_accept A tok/s T[ | held-out loss ... walk tau W (...)]`
-  (train/run.py log_line)
-- evaluations:     `evaluation at step N: ... walk_tau W ...` (train/run.py)
+  (train/loop.py log_line)
+- evaluations:     `evaluation at step N: ... walk_tau W ...` (evaluation/hooks.py)
 - start-up:        `preflight passed in S s` (service/preflight.py), `ready: ...; S s after this rank's
   process started ..., S s after the launcher started` (service/run.py)
 """

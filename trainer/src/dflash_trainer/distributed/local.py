@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.rank", "dflash_trainer.train.run"]
+PRELOAD = ["torch", "torch.distributed", "dflash_trainer.distributed.rank", "dflash_trainer.train.loop"]
 
 
 def free_port() -> int:

@@ -89,7 +89,8 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
 def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, iters: int) -> tuple:
     """(plain forward s, capture s, captured batch) of one target; the target is dropped on return."""
     from dflash_trainer.data.batch import TargetBatch
-    from dflash_trainer.train.run import autocast, training_capture
+    from dflash_trainer.train.setup import autocast
+    from dflash_trainer.train.target_side import training_capture
 
     cfg = setup.cfg
     target = setup.make_target(cfg.drafter.target_layer_ids)
@@ -118,7 +119,9 @@ def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, i
 
 
 def _measure_drafter(setup: Any, captured: Any, device: torch.device, warmup: int, iters: int) -> float:
-    from dflash_trainer.train.run import DrafterSide, Horizon, head_only
+    from dflash_trainer.train.drafter_side import DrafterSide
+    from dflash_trainer.train.schedule import Horizon
+    from dflash_trainer.train.setup import head_only
 
     hz = Horizon(warmup + iters + 1, "steps")
     drafter = DrafterSide(setup.cfg, head_only(setup), hz, device=device, save=False)
@@ -163,7 +166,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def plan_main(args: argparse.Namespace) -> int:
     from dflash_trainer.config import load_config
-    from dflash_trainer.train.run import setup_from_bench, setup_from_config
+    from dflash_trainer.fixtures.bench import setup_from_bench
+    from dflash_trainer.train.setup import setup_from_config
 
     if args.gpus < 2:
         raise SystemExit("plan: need at least 2 devices (1 target + 1 drafter)")

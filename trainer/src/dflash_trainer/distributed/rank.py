@@ -2,11 +2,11 @@
 `run_rank(cfg, options, control)` from `dflash-train serve` (service/serve.py), with the configuration object
 that rank already loaded and validated: it is loaded once per rank and never rebuilt from argv.
 
-Sets up the process groups, takes the rank's role, builds its side of the run (train/run.py: TargetSide on
-target ranks, DrafterSide on drafter ranks), agrees on where to resume, runs its loop (roles.py), and at the
-end gathers every rank's metrics to rank 0, which prints the summary table and draws the timeline. Any
-failure is logged as `rank R (role, device on host): cause` and ends the job (see failure.py).
-"""
+Sets up the process groups, takes the rank's role, builds its side of the run (TargetSide of
+train/target_side.py on target ranks, DrafterSide of train/drafter_side.py on drafter ranks), agrees on where
+to resume, runs its loop (roles.py), and at the end gathers every rank's metrics to rank 0, which prints the
+summary table and draws the timeline. Any failure is logged as `rank R (role, device on host): cause` and ends
+the job (see failure.py)."""
 
 from __future__ import annotations
 
@@ -266,24 +266,28 @@ def _build_dflash(
 ) -> Built:
     """This rank's side of the run, resumed where the drafter leader's newest checkpoint says."""
     from dflash_trainer.distributed.transport import WireFormat
-    from dflash_trainer.train import run as tr
+    from dflash_trainer.fixtures.bench import setup_from_bench
+    from dflash_trainer.train.drafter_side import DrafterSide, find_resume
+    from dflash_trainer.train.schedule import Horizon, Position, horizon
+    from dflash_trainer.train.setup import head_only, setup_from_config
+    from dflash_trainer.train.target_side import EvalExchange, TargetSide, eval_replica
 
     if opts.bench:
-        setup = tr.setup_from_bench(opts.bench, device, opts.steps or 20)
+        setup = setup_from_bench(opts.bench, device, opts.steps or 20)
     else:
         assert cfg is not None
-        setup = tr.setup_from_config(cfg, device)
+        setup = setup_from_config(cfg, device)
     cfg = setup.cfg
-    hz = tr.Horizon(opts.steps, "steps") if opts.steps else tr.horizon(cfg, setup.num_rows)
+    hz = Horizon(opts.steps, "steps") if opts.steps else horizon(cfg, setup.num_rows)
     role, index, m = topo.role(rank), topo.index(rank), topo.num_drafters
     leader = topo.drafter_ranks[0]
     if role is Role.TARGET:
-        work: Any = tr.TargetSide(setup, evaluates=index == 0 and not opts.bench)
+        work: Any = TargetSide(setup, evaluates=index == 0 and not opts.bench)
         if work.evaluates and progress is not None:  # minutes of decode walk: said as it goes
             work.progress = progress
     else:
-        work = tr.DrafterSide(
-            cfg, tr.head_only(setup), hz, device=device, index=index, num_drafters=m,
+        work = DrafterSide(
+            cfg, head_only(setup), hz, device=device, index=index, num_drafters=m,
             group=groups["drafters"], save=not opts.bench, data_state=setup.data_state,
         )  # fmt: skip
     wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
@@ -297,11 +301,11 @@ def _build_dflash(
     # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
     box: list[Any] = [None]
     if opts.resume and not opts.bench and rank == leader:
-        path = tr.find_resume(cfg)
+        path = find_resume(cfg)
         if path is not None:
             box[0] = (str(path), work.resume(path))
     dist.broadcast_object_list(box, src=leader, group=groups["gloo"])
-    position = tr.Position()
+    position = Position()
     if box[0] is not None:
         path, position = box[0]
         if role is Role.DRAFTER and rank != leader:
@@ -317,11 +321,11 @@ def _build_dflash(
 
     evaluating = bool(cfg.train.eval_every) and not opts.bench
     if evaluating:
-        exchange = tr.EvalExchange(groups["store"](), groups["eval"], leader, offset, cfg, m)
+        exchange = EvalExchange(groups["store"](), groups["eval"], leader, offset, cfg, m)
         if rank == leader:
             work.exchange = exchange
         elif rank == topo.target_ranks[0]:
-            replica = tr.eval_replica(work)
+            replica = eval_replica(work)
             due = [p for p in range(first, end) if exchange.due(p)]
 
             def stop_step() -> int | None:

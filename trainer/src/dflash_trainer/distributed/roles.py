@@ -1,5 +1,5 @@
 """The two loops of the pipeline; what a target makes and what a drafter does with it are the sides' of
-train/run.py (TargetSide, DrafterSide), or the synthetic workload's."""
+train/target_side.py and train/drafter_side.py (TargetSide, DrafterSide), or the synthetic workload's."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def run_target(
     between: Callable[[int | None], None] | None = None,
 ) -> None:
     """`between(item)` runs before each item is made and `between(None)` at the end (target rank 0's
-    evaluations, train/run.py EvalExchange)."""
+    evaluations, train/target_side.py EvalExchange)."""
     t, m = topo.index(rank), topo.num_drafters
     sender = Sender(wire, group, span.depth, meter, device)
     items = target_items(t, topo.num_targets, span.start_step * m, span.stop_step * m)

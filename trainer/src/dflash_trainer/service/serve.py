@@ -1,14 +1,14 @@
 """`dflash-train serve CONFIG`: one rank of the training job as systemd sees it.
 
 The configuration is loaded and validated once, here, and the object handed to the run: this rank's role of
-the pipeline (distributed/rank.py `run_rank`, the sides of train/run.py) when the launcher started more
-than one rank, else the 1:1 pipeline in this one process (train/run.py `train`). The same run either way:
-READY=1 once every rank has loaded the target, drafter, data and the newest checkpoint; STATUS= (step, loss,
-tokens/s) and WATCHDOG=1 from the drafter leader's per-step hook (it waits on every target through its
-receives and on every drafter through DDP, so a hang anywhere stops the ping); trackers behind SafeTracker
-on that rank only; SIGTERM on any rank -> the ranks agree on a stop step (distributed/stopping.py), the
-leader saves, every rank exits 0. Every start resumes from the newest checkpoint in train.checkpoint_dir.
-"""
+the pipeline (distributed/rank.py `run_rank`, the sides in train/target_side.py and train/drafter_side.py)
+when the launcher started more than one rank, else the 1:1 pipeline in this one process (train/loop.py
+`train`). The same run either way: READY=1 once every rank has loaded the target, drafter, data and the newest
+checkpoint; STATUS= (step, loss, tokens/s) and WATCHDOG=1 from the drafter leader's per-step hook (it waits on
+every target through its receives and on every drafter through DDP, so a hang anywhere stops the ping);
+trackers behind SafeTracker on that rank only; SIGTERM on any rank -> the ranks agree on a stop step
+(distributed/stopping.py), the leader saves, every rank exits 0. Every start resumes from the newest
+checkpoint in train.checkpoint_dir."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier = voice[0] = Notifier() if node_speaker(speaker) else Notifier({})
 
     from dflash_trainer.service.trackers import start_trackers
-    from dflash_trainer.train.run import train
+    from dflash_trainer.train.loop import train
 
     startup.record("interpreter, imports, configuration", time.time() - process_started())
     with startup.phase("trackers"):
