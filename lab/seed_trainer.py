@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     import torch
 
-    from dflash_trainer.data.synth import synth_shards
+    from dflash_trainer.fixtures.synth import synth_shards
     from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
     from dflash_trainer.manifest import write_manifest
 

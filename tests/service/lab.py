@@ -97,7 +97,7 @@ def host_data() -> Path:
 import torch; torch.set_num_threads(1)
 from pathlib import Path
 from dflash_trainer.fixtures.tiny import write_tiny_target, TINY_MASK_TOKEN_ID
-from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.manifest import write_manifest
 out = Path("{HOST_CACHE}")
 m = write_tiny_target(out / "model", kind="qwen3_5", seed=1234)

@@ -28,7 +28,8 @@ import torch
 from dflash_trainer.config import load_config, read_target_info, validate
 from dflash_trainer.evaluation import walk
 from dflash_trainer.model.target import load_target
-from dflash_trainer.train.setup import autocast, drafter_spec, new_drafter
+from dflash_trainer.runtime import autocast
+from dflash_trainer.train.setup import drafter_spec, new_drafter
 from dflash_trainer.train.target_side import training_capture
 
 REFERENCE = Path(__file__).resolve().parents[1] / "configs" / "reference.toml"

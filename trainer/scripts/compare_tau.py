@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from learn_demo import CONFIG  # the recipe itself, not a copy
 
 from dflash_trainer.config import load_config
-from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.evaluation.held_out import evaluate, walk_prompts
 from dflash_trainer.evaluation.walk import WalkResult, WalkSettings, decode_walk
 from dflash_trainer.export import export_draft, load_draft
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
+from dflash_trainer.runtime import objective_config
 from dflash_trainer.train.loop import Run
-from dflash_trainer.train.setup import objective_config
 
 
 def dflash_tau(export_dir: Path, target_dir: Path, prompts: list[torch.Tensor], new_tokens: int) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash_trainer.config import load_config
-from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
 from dflash_trainer.train.loop import Run
 

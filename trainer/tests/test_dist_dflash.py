@@ -11,8 +11,8 @@ import torch
 from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
-from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import spawn_local
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 
 pytestmark = pytest.mark.system

@@ -24,8 +24,8 @@ import pytest
 from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import latest_checkpoint, load_checkpoint
-from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import free_port
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 
 pytestmark = pytest.mark.system

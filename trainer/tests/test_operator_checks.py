@@ -243,7 +243,7 @@ def test_synthetic_data_never_holds_the_mask_token(tmp_path):
     import numpy as np
     import pyarrow as pa
 
-    from dflash_trainer.data.synth import synth_shards
+    from dflash_trainer.fixtures.synth import synth_shards
     from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID, write_tiny_target
 
     # The lab's target (seed 1234): its greedy continuation of these prompts picks the mask id if let.

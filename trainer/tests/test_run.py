@@ -16,7 +16,7 @@ from tiny_run import tiny_run_config
 
 from dflash_trainer.checkpoint import list_checkpoints, load_checkpoint
 from dflash_trainer.config import TrainConfig, load_config
-from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 from dflash_trainer.train.loop import Run, train
 from dflash_trainer.train.schedule import lr_factor

@@ -7,7 +7,7 @@ from collections import Counter
 import pyarrow as pa
 import pytest
 
-from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.fixtures.synth import synth_shards
 
 
 def _tokens(out) -> list[int]:

@@ -18,8 +18,8 @@ from tiny_run import tiny_run_config
 from dflash_trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from dflash_trainer.config import load_config
 from dflash_trainer.data.shards import ShardReader, list_shards, split_held_out
-from dflash_trainer.data.synth import synth_shards
 from dflash_trainer.distributed.local import spawn_local
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 from dflash_trainer.train.loop import train
 

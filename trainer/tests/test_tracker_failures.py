@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_run import tiny_run_config
 
-from dflash_trainer.data.synth import synth_shards
+from dflash_trainer.fixtures.synth import synth_shards
 from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 from dflash_trainer.manifest import write_manifest
 

@@ -53,7 +53,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_synth(args: argparse.Namespace) -> int:
-    from dflash_trainer.data.synth import synth_shards
+    from dflash_trainer.fixtures.synth import synth_shards
 
     if not (args.target / "config.json").is_file():
         raise UserError(f"{args.target}: no config.json (not a target directory)")

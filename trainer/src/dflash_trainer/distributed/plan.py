@@ -89,7 +89,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
 def _measure_target(setup: Any, batch: Any, device: torch.device, warmup: int, iters: int) -> tuple:
     """(plain forward s, capture s, captured batch) of one target; the target is dropped on return."""
     from dflash_trainer.data.batch import TargetBatch
-    from dflash_trainer.train.setup import autocast
+    from dflash_trainer.runtime import autocast
     from dflash_trainer.train.target_side import training_capture
 
     cfg = setup.cfg

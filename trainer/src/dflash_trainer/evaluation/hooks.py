@@ -14,7 +14,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch
 from dflash_trainer.evaluation.held_out import evaluate, walk_prompts
 from dflash_trainer.evaluation.walk import WalkSettings, decode_walk, stop_token_ids
-from dflash_trainer.train.setup import autocast, objective_config
+from dflash_trainer.runtime import autocast, objective_config
 
 
 @dataclass

@@ -25,8 +25,9 @@ from dflash_trainer.checkpoint import (
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.objective import dflash_loss
+from dflash_trainer.runtime import autocast, objective_config
 from dflash_trainer.train.schedule import Horizon, Position, anchor_seed
-from dflash_trainer.train.setup import autocast, drafter_spec, new_drafter, objective_config
+from dflash_trainer.train.setup import drafter_spec, new_drafter
 from dflash_trainer.train.target_side import EvalExchange
 
 log = logging.getLogger("dflash_trainer.train")

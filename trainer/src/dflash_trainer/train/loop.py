@@ -16,9 +16,10 @@ import torch
 from dflash_trainer import startup
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.device_memory import gpu_memory
+from dflash_trainer.runtime import resolve_device
 from dflash_trainer.train.drafter_side import DrafterSide, StepMetrics, find_resume
 from dflash_trainer.train.schedule import Position, eval_due, horizon
-from dflash_trainer.train.setup import resolve_device, setup_from_config
+from dflash_trainer.train.setup import setup_from_config
 from dflash_trainer.train.target_side import TargetSide
 
 log = logging.getLogger("dflash_trainer.train")

@@ -19,8 +19,9 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch, TargetBatch
 from dflash_trainer.evaluation import hooks
 from dflash_trainer.evaluation.hooks import EvalContext, EvalHook, eval_share
+from dflash_trainer.runtime import autocast
 from dflash_trainer.train.schedule import eval_due
-from dflash_trainer.train.setup import ItemStream, Setup, autocast, drafter_spec, new_drafter
+from dflash_trainer.train.setup import ItemStream, Setup, drafter_spec, new_drafter
 
 log = logging.getLogger("dflash_trainer.train")
 
