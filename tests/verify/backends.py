@@ -19,9 +19,19 @@ class LxcAttachBackend(base.BaseBackend):
 
     def run(self, command: str, *args: str, **kwargs: Any) -> base.CommandResult:
         cmd = self.get_command(command, *args)
-        out = self.run_local("lxc-attach -n %s -- /bin/sh -c %s", self.name, cmd)
+        for _attempt in range(3):
+            out = self.run_local("lxc-attach -n %s -- /bin/sh -c %s", self.name, cmd)
+            if not rexec_failed(out.rc, out.stderr):
+                break
         out.command = self.encode(cmd)
         return out
+
+
+# lxc-attach re-executes itself from a sealed memfd before main() (liblxc src/lxc/rexec.c, a constructor; the
+# CVE-2019-5736 guard). On a loaded machine that step has failed with "Device or resource busy - Failed to
+# rexec as memfd" and aborted (exit 134): nothing ran in the container, so the command is started again.
+def rexec_failed(rc: int, stderr: str) -> bool:
+    return rc == 134 and "Failed to rexec as memfd" in stderr
 
 
 class PctExecBackend(base.BaseBackend):
