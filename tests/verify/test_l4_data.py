@@ -34,8 +34,9 @@ import configparser, glob, os, subprocess, sys
 c = configparser.ConfigParser(); c.read(sys.argv[1])
 key = c["default"]["aws_secret_access_key"].strip()
 places = glob.glob("/etc/dflash/*.sync.json") + glob.glob("/etc/dflash/aws/config")
-places += glob.glob("/etc/systemd/system/dflash-*") + glob.glob("/var/lib/dflash/*/.dflash-sync.json")
-hits = [p for p in places if key in open(p, errors="replace").read()]
+places += glob.glob("/etc/systemd/system/dflash-*") + glob.glob("/etc/systemd/system/dflash-*.d/*")
+places += glob.glob("/var/lib/dflash/*/.dflash-sync.json")
+hits = [p for p in places if os.path.isfile(p) and key in open(p, errors="replace").read()]
 journal = subprocess.run(["journalctl", "--no-pager", "-o", "cat"], capture_output=True, text=True).stdout
 hits += ["the journal"] if key in journal else []
 for cmd in glob.glob("/proc/[0-9]*/cmdline"):
