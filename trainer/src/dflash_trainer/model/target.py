@@ -61,6 +61,18 @@ def _truncated(cfg: PreTrainedConfig, num_layers: int) -> PreTrainedConfig:
     return short
 
 
+def captured_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    context: torch.Tensor,
+) -> TargetBatch:
+    """A capture's TargetBatch: loss_mask defaults to attention_mask, which defaults to every token."""
+    if loss_mask is None:
+        loss_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask
+    return TargetBatch(input_ids=input_ids, loss_mask=loss_mask.bool(), context=context)
+
+
 class _StopForward(Exception):
     """Ends a capture after the last captured layer (later layers are loaded for the decode walk)."""
 
@@ -117,9 +129,9 @@ class TargetModel:
         """Run the (truncated) decoder stack; no LM head. loss_mask defaults to attention_mask."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        context = self._features(input_ids, attention_mask.long())
-        mask = attention_mask if loss_mask is None else loss_mask
-        return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
+        return captured_batch(
+            input_ids, attention_mask, loss_mask, self._features(input_ids, attention_mask.long())
+        )
 
     @torch.no_grad()
     def unpadded_features(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -359,10 +371,7 @@ class GraphedCapture:
             context = graph(padded)[
                 :, :tokens
             ].clone()  # the graph's output is overwritten by its next replay
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        mask = attention_mask if loss_mask is None else loss_mask
-        return TargetBatch(input_ids=input_ids, loss_mask=mask.bool(), context=context)
+        return captured_batch(input_ids, attention_mask, loss_mask, context)
 
 
 # Where the text model's weights sit in a checkpoint: the Qwen3.5/3.6 multimodal wrapper nests them.
