@@ -6,7 +6,7 @@
 # .whl: the flash-linear-attention and fla-core wheels. .old/trainer/src: the trainer's source before the change
 # (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
 # Sections, in this order (default: all):
-#   walk       the decode walk at the reference shape: ms per verify step, recorded rollback against rerun
+#   walk       the decode walk at the reference shape: ms per verify step, graph/recorded against dynamic/recorded
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
@@ -30,7 +30,7 @@ start)
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"
     if want walk; then
-      echo "=== decode walk: recorded rollback against rerun ($(date -u +%T))"
+      echo "=== decode walk: CUDA graph over a static cache against the eager dynamic cache ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-1}" \
         --new-tokens "${WALK_TOKENS:-24}" --profile 3 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
     fi

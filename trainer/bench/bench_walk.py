@@ -6,9 +6,11 @@
 Writes the random target of `--shape` into `--target` when no complete one is there (the rehearsal's
 `dflash-train model random`), loads it whole through the trainer's own `load_target(full=True)`, builds the
 reference configuration's drafter at random (tau about 1: every block rejected, the walk's worst case) and
-runs the trainer's own `decode_walk`: a warm-up prompt, then the timed prompts. The phases (draft, verify
-forward, rollback) are timed with a device synchronisation around each; `--profile N` records N more verify
-steps with torch.profiler and prints the operators by device and host time. Figures, no assertions.
+runs the trainer's own `decode_walk`: a warm-up prompt, then the timed prompts, once per `--variants` entry
+(CACHE/ROLLBACK: graph/recorded is the default walk, dynamic/recorded the eager one before it) side by side in
+one process. The phases (draft, prefill, verify, rollback) are timed with a device synchronisation around
+each; `--profile N` records N more verify steps of the first variant with torch.profiler and prints the
+operators by device and host time. Figures, no assertions.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import load_config, read_target_info, validate
-from dflash_trainer.evaluation import walk
+from dflash_trainer.evaluation import target_cache, walk
 from dflash_trainer.model.target import load_target
 from dflash_trainer.runtime import autocast
 from dflash_trainer.train.setup import drafter_spec, new_drafter
@@ -43,13 +45,10 @@ def sync() -> None:
 @contextmanager
 def phase_timers(totals: dict[str, float], counts: dict[str, int]) -> Iterator[None]:
     """Wraps the walk's phases with synchronised timers (restored on exit)."""
-    cache = walk._TargetCache
-    originals: dict[str, Any] = {
-        "draft": walk._draft,
-        "forward": cache.forward,
-        "rollback": cache.rollback,
-        "snapshot": cache.snapshot,
-    }
+    cache = target_cache.TargetCache
+    methods = ("prefill", "verify", "rollback", "snapshot")
+    originals: dict[str, Any] = {name: getattr(cache, name) for name in methods}
+    draft = walk._draft
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -63,17 +62,27 @@ def phase_timers(totals: dict[str, float], counts: dict[str, int]) -> Iterator[N
 
         return run
 
-    walk._draft = timed("draft", originals["draft"])  # type: ignore[assignment]
-    cache.forward = timed("forward", originals["forward"])  # type: ignore[method-assign]
-    cache.rollback = timed("rollback", originals["rollback"])  # type: ignore[method-assign]
-    cache.snapshot = timed("snapshot", originals["snapshot"])  # type: ignore[method-assign]
+    walk._draft = timed("draft", draft)  # type: ignore[assignment]
+    for name in methods:
+        setattr(cache, name, timed(name, originals[name]))
     try:
         yield
     finally:
-        walk._draft = originals["draft"]
-        cache.forward = originals["forward"]  # type: ignore[method-assign]
-        cache.rollback = originals["rollback"]  # type: ignore[method-assign]
-        cache.snapshot = originals["snapshot"]  # type: ignore[method-assign]
+        walk._draft = draft
+        for name in methods:
+            setattr(cache, name, originals[name])
+
+
+def _variant(text: str) -> str:
+    cache, _, rollback = text.partition("/")
+    if cache not in ("graph", "static", "dynamic") or rollback not in ("recorded", "rerun"):
+        raise argparse.ArgumentTypeError(f"{text!r}: CACHE/ROLLBACK, e.g. graph/recorded")
+    return text
+
+
+def _settings(variant: str, new_tokens: int) -> walk.WalkSettings:
+    cache, _, rollback = variant.partition("/")
+    return walk.WalkSettings(max_new_tokens=new_tokens, cache=cache, rollback=rollback)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile", type=int, default=0, help="verify steps to record with torch.profiler")
-    p.add_argument("--rollbacks", nargs="+", default=["recorded", "rerun"], choices=["recorded", "rerun"])
+    p.add_argument("--variants", nargs="+", default=["graph/recorded", "dynamic/recorded"], type=_variant,
+                   help="CACHE/ROLLBACK: graph, static or dynamic / recorded or rerun")  # fmt: skip
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,22 +124,23 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
-        "rollbacks": {},
+        "variants": {},
     }
     with autocast(cfg, device):
         t0 = time.perf_counter()
-        warm = walk.WalkSettings(max_new_tokens=args.new_tokens, rollback=args.rollbacks[0])
+        warm = _settings(args.variants[0], args.new_tokens)
         walk.decode_walk(model, drafter, prompts[:1], warm)  # kernels, autotuning, allocator
         result["first_walk_s"] = time.perf_counter() - t0
-        for mode in args.rollbacks:  # side by side, in one process
-            settings = walk.WalkSettings(max_new_tokens=args.new_tokens, rollback=mode)
+        for variant in args.variants:  # side by side, in one process
+            settings = _settings(variant, args.new_tokens)
             plain = walk.decode_walk(model, drafter, prompts[1:], settings)
             totals: dict[str, float] = defaultdict(float)
             counts: dict[str, int] = defaultdict(int)
             with phase_timers(totals, counts):
                 timed = walk.decode_walk(model, drafter, prompts[1:], settings)
             per_step = plain.seconds / max(1, plain.steps)
-            result["rollbacks"][mode] = {
+            result["variants"][variant] = {
+                "cache_run": plain.cache,
                 "walk_s": plain.seconds,
                 "verify_steps": plain.steps,
                 "ms_per_verify_step": per_step * 1000,
@@ -139,15 +150,15 @@ def main(argv: list[str] | None = None) -> int:
                 "phase_calls": dict(counts),
                 "timed_walk_s": timed.seconds,
             }
-            print(f"decode walk, rollback {mode}: {per_step * 1000:.1f} ms per verify step "
+            print(f"decode walk, {variant} (ran {plain.cache}): {per_step * 1000:.1f} ms per verify step "
                   f"({plain.steps} steps, tau {plain.tau:.2f}); phases {dict(totals)}")  # fmt: skip
-        outputs = {m: r.pop("output_ids") for m, r in result["rollbacks"].items()}
+        outputs = {v: r.pop("output_ids") for v, r in result["variants"].items()}
         result["same_output"] = len({json.dumps(o) for o in outputs.values()}) == 1
         table = None
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            few = walk.WalkSettings(max_new_tokens=args.profile, rollback=args.rollbacks[0])
+            few = _settings(args.variants[0], args.profile)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 walk.decode_walk(model, drafter, prompts[1:2], few)
             averages = prof.key_averages()

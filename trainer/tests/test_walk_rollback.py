@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_walk import TRAINED_NEW, _fit, _greedy
 
-from dflash_trainer.evaluation.walk import WalkSettings, _TargetCache, decode_walk
+from dflash_trainer.evaluation.target_cache import TargetCache, recorder
+from dflash_trainer.evaluation.walk import WalkSettings, decode_walk
 
 
 @pytest.fixture(scope="module")
@@ -15,34 +16,44 @@ def hybrid(tiny_target):
     return _fit("qwen3_5", tiny_target("qwen3_5"))
 
 
-def _walk_counting_forwards(t, monkeypatch, rollback: str):
-    forwards: list[int] = []
-    plain = _TargetCache.forward
+def _walk_counting_forwards(t, monkeypatch, rollback: str, cache: str = "static"):
+    """The walk, and the target forwards it ran: (verify steps, forwards that re-ran accepted tokens)."""
+    verifies: list[int] = []
+    reruns: list[int] = []
+    plain_verify, plain_forward = TargetCache.verify, TargetCache.forward
 
-    def counted(self, ids, **kwargs):
-        forwards.append(ids.shape[1])
-        return plain(self, ids, **kwargs)
+    def verify(self, block):
+        verifies.append(block.shape[1])
+        return plain_verify(self, block)
 
-    monkeypatch.setattr(_TargetCache, "forward", counted)
-    settings = WalkSettings(max_new_tokens=TRAINED_NEW, rollback=rollback)  # type: ignore[arg-type]
+    def forward(self, ids, *, features: bool = True, **kwargs):
+        if not features:  # the rollback's forward of the kept tokens (the prefill's and verify's keep them)
+            reruns.append(ids.shape[1])
+        return plain_forward(self, ids, features=features, **kwargs)
+
+    monkeypatch.setattr(TargetCache, "verify", verify)
+    monkeypatch.setattr(TargetCache, "forward", forward)
+    settings = WalkSettings(max_new_tokens=TRAINED_NEW, rollback=rollback, cache=cache)  # type: ignore[arg-type]
     result = decode_walk(t.target.model, t.drafter, t.prompts, settings)
-    monkeypatch.setattr(_TargetCache, "forward", plain)
-    return result, forwards
+    monkeypatch.setattr(TargetCache, "verify", plain_verify)
+    monkeypatch.setattr(TargetCache, "forward", plain_forward)
+    return result, verifies, reruns
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
 @pytest.mark.parametrize("rollback", ["recorded", "rerun"])
-def test_both_rollbacks_are_lossless(hybrid, monkeypatch, rollback: str) -> None:
-    result, forwards = _walk_counting_forwards(hybrid, monkeypatch, rollback)
+def test_both_rollbacks_are_lossless(hybrid, monkeypatch, rollback: str, cache: str) -> None:
+    result, verifies, reruns = _walk_counting_forwards(hybrid, monkeypatch, rollback, cache)
     with torch.no_grad():
         expected = [_greedy(hybrid.target.model, p, TRAINED_NEW) for p in hybrid.prompts]
     for walk, want in zip(result.walks, expected, strict=True):
         assert torch.equal(walk.output_ids, want), rollback
     assert result.rejections >= 10, result
-    prefills = len(hybrid.prompts)
+    assert len(verifies) == result.steps
     if rollback == "recorded":  # one forward per verify step, none to roll back
-        assert len(forwards) == prefills + result.steps
-    else:  # a rejection that is not the walk's last step costs a forward of the kept tokens
-        assert len(forwards) > prefills + result.steps
+        assert reruns == []
+    else:  # a rejection that is not a prompt's last step costs a forward of the kept tokens
+        assert len(reruns) >= result.rejections - len(hybrid.prompts)
 
 
 def test_recorded_states_equal_the_states_of_running_the_tokens_again(hybrid) -> None:
@@ -53,14 +64,11 @@ def test_recorded_states_equal_the_states_of_running_the_tokens_again(hybrid) ->
     block = torch.randint(0, 400, (1, 4), generator=torch.Generator().manual_seed(5))
     states = {}
     for mode in ("recorded", "rerun"):
-        cache = _TargetCache(model, mode)  # type: ignore[arg-type]
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            from dflash_trainer.evaluation.walk import _recorder
-
-            with _recorder.installed():
-                cache.forward(prompt, logits_to_keep=1)
-                cache.verify(block)
-                cache.rollback(prompt.shape[1], 2, block)
+        cache = TargetCache(model, mode)  # type: ignore[arg-type]
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), recorder.installed():
+            cache.forward(prompt, logits_to_keep=1)
+            cache.verify(block)
+            cache.rollback(prompt.shape[1], 2, block)
         assert cache.length == prompt.shape[1] + 2
         states[mode] = [(lay.conv_states[0].clone(), lay.recurrent_states[0].clone()) for lay in cache.linear]
     assert states["recorded"]

@@ -7,7 +7,7 @@ Two acceptance figures, kept apart by name:
 - `anchor_accept`: the mean of (accepted run + 1) over training-style blocks at anchors sampled uniformly by
   position. Decoding advances by the accepted length, so long accepted stretches take few steps; the
   per-anchor mean overweights them and reads well above serving's tau (3.37 against 2.33 for the same
-  drafter, issue 19). Useful only as a cheap trend and a check of the per-block rule.
+  drafter; docs/acceptance.md). Useful only as a cheap trend and a check of the per-block rule.
 
 Anchors come from a fixed seed, so successive evaluations score the same blocks.
 """

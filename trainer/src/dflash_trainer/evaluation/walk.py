@@ -7,15 +7,8 @@ target's own next token is kept, and decoding advances by that length. tau is wh
 as "Average Acceptance length": per prompt the mean of tokens produced per target forward, then the mean
 over prompts; the pooled mean (every step weighted alike) is reported too.
 
-Lossless by construction: the target's cache is rolled back exactly after a rejection. Attention KV is cut
-to the accepted length; the Gated DeltaNet layers of hybrid targets (Qwen3.5/3.6, Qwen3-Next) carry a
-recurrent and a conv state that cannot be cut. Their states before the verify forward are kept, and the
-forward's own inputs to each layer's conv and delta rule are recorded; the states after the accepted tokens
-are then the conv window over the kept inputs and one delta-rule step over the accepted tokens from the kept
-recurrent state (what serving engines do), not a second forward of the 27B target ("recorded"). "rerun"
-restores the states and runs the accepted tokens through the whole target again: the same states, a second
-forward per rejection. (dflash 0.1.0's crop rewinds only the conv state: on a hybrid target it leaks rejected
-drafts into the recurrent state.)
+Lossless by construction: the target's cache is rolled back exactly after a rejection, and on CUDA the verify
+forward of a whole block is replayed from a CUDA graph over a static cache (evaluation/target_cache.py).
 
 The drafter is re-run over the whole context each step (no drafter KV cache): the same arithmetic as dflash's
 cached drafter, and cheap next to the target's verify forward at evaluation lengths.
@@ -24,23 +17,16 @@ cached drafter, and cheap next to the target's verify forward at evaluation leng
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from dflash_trainer.evaluation.target_cache import CacheKind, Rollback, TargetCache, recorder
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
-from dflash_trainer.model.kernels import DELTA_RULE_OPS
-
-RECURRENT_OP = "torch_recurrent_gated_delta_rule"
-Rollback = Literal["recorded", "rerun"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +37,11 @@ class WalkSettings:
     # Called after every verify step with what the walk is doing (the service keeps systemd's watchdog fed and
     # the journal informed: on the reference target an evaluation's walk ran 375 s, past WatchdogSec=300).
     progress: Callable[[str], None] | None = field(default=None, compare=False)
-    # How a hybrid target's Gated DeltaNet states are rolled back after a rejection (module docstring).
+    # How a hybrid target's Gated DeltaNet states are rolled back after a rejection (target_cache.py).
     rollback: Rollback = "recorded"
+    # The target's cache and verify forward: "graph" (CUDA graph over a static cache; "static" off CUDA),
+    # "static" or "dynamic" (target_cache.py).
+    cache: CacheKind = "graph"
 
 
 @dataclass
@@ -75,6 +64,7 @@ class WalkResult:
     rejections: int
     seconds: float  # wall time of the whole walk, prefills included
     walks: list[PromptWalk] = field(default_factory=list)
+    cache: str = "dynamic"  # the target cache the walk ran on (a CacheKind)
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,188 +107,6 @@ def prompts_from_rows(
     return prompts
 
 
-@dataclass
-class _DeltaRuleCall:
-    """One layer's delta rule in a verify forward: its inputs, and the module's recurrent form to redo it."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    recurrent: Callable[..., Any]
-
-
-class _DeltaRuleRecorder:
-    """Records every delta-rule call of the hybrid modelling modules while `calls` is a list (in call order:
-    the order of the layers). Installed for a walk, removed after it."""
-
-    def __init__(self) -> None:
-        self.calls: list[_DeltaRuleCall] | None = None
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-        from transformers.models.qwen3_next import modeling_qwen3_next
-
-        patched = []
-        for module in (modeling_qwen3_5, modeling_qwen3_next):
-            recurrent = getattr(module, RECURRENT_OP, None)
-            for name in DELTA_RULE_OPS:
-                fn = getattr(module, name, None)
-                if fn is not None and recurrent is not None:
-                    patched.append((module, name, fn))
-                    setattr(module, name, self._recording(fn, recurrent))
-        try:
-            yield
-        finally:
-            for module, name, fn in reversed(patched):
-                setattr(module, name, fn)
-
-    def _recording(self, fn: Callable[..., Any], recurrent: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)  # the device dispatch's marks (its __dict__) stay readable
-        def record(*args: Any, **kwargs: Any) -> Any:
-            if self.calls is not None:
-                self.calls.append(_DeltaRuleCall(args, kwargs, recurrent))
-            return fn(*args, **kwargs)
-
-        return record
-
-
-_recorder = _DeltaRuleRecorder()
-
-
-class _TargetCache:
-    """The target's DynamicCache with an exact rollback for attention and Gated DeltaNet layers."""
-
-    def __init__(self, model: nn.Module, rollback: Rollback = "recorded") -> None:
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        layers = self.cache.layers
-        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in layers):
-            raise ValueError("the decode walk cannot roll back a sliding-window target cache")
-        self.linear = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        self.attention = [layer for layer in layers if isinstance(layer, DynamicLayer)]
-        self.length = 0
-        self.rollback_mode = rollback
-        self._saved: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, bool]]] = []
-        # The verify forward's inputs to each linear layer's conv (by layer) and delta rule (in layer order).
-        self._conv_inputs: dict[int, torch.Tensor] = {}
-        self._calls: list[_DeltaRuleCall] = []
-        self._recording = False
-        if rollback == "recorded":
-            for layer in self.linear:  # this cache's own layers: an instance attribute shadows the method
-                layer.update_conv_state = self._conv_recorder(  # type: ignore[method-assign]
-                    layer, layer.update_conv_state
-                )
-
-    def _conv_recorder(self, layer: Any, update: Callable[..., Any]) -> Callable[..., Any]:
-        def record(conv_states: torch.Tensor, state_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
-            if self._recording and state_idx == 0:
-                self._conv_inputs[id(layer)] = conv_states
-            return update(conv_states, state_idx, *args, **kwargs)
-
-        return record
-
-    def verify(self, block: torch.Tensor) -> Any:
-        """The verify forward of a drafted block, with what a rollback needs kept (hybrid targets)."""
-        if not self.linear:
-            return self.forward(block)
-        self.snapshot()
-        if self.rollback_mode == "rerun":
-            return self.forward(block)
-        self._conv_inputs, self._calls = {}, []
-        self._recording, _recorder.calls = True, self._calls
-        try:
-            return self.forward(block)
-        finally:
-            self._recording, _recorder.calls = False, None
-
-    def forward(self, ids: torch.Tensor, *, logits_to_keep: int = 0, features: bool = True) -> Any:
-        out = self.model(
-            input_ids=ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=features,
-            logits_to_keep=logits_to_keep,
-        )
-        self.length += ids.shape[1]
-        return out
-
-    def snapshot(self) -> None:
-        """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting."""
-        self._saved = [
-            (
-                {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
-                {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
-                dict(layer.has_previous_state),
-            )
-            for layer in self.linear
-        ]
-
-    def _cut_attention(self, length: int) -> None:
-        for layer in self.attention:
-            if layer.is_initialized and layer.get_seq_length() > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
-
-    def rollback(self, start: int, keep: int, tokens: torch.Tensor) -> None:
-        """After a verify of `tokens` from position `start`: keep its first `keep` tokens, drop the rest."""
-        if keep == tokens.shape[1]:
-            return
-        if not self.linear:
-            self._cut_attention(start + keep)
-            self.length = start + keep
-            return
-        if self._recorded_complete():
-            self._cut_attention(start + keep)
-            self._redo_linear_states(keep)
-            self.length = start + keep
-            return
-        # A recurrent state after `keep` of the block's tokens never existed: restore the state before the
-        # block and run the kept tokens again.
-        self._cut_attention(start)
-        for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
-            for i, s in conv.items():
-                layer.conv_states[i].copy_(s)
-            for i, s in rec.items():
-                layer.recurrent_states[i].copy_(s)
-            layer.has_previous_state.update(prev)
-        self.length = start
-        self.forward(tokens[:, :keep], logits_to_keep=1, features=False)
-
-    def _recorded_complete(self) -> bool:
-        """Whether the verify forward recorded one conv input and one delta-rule call per linear layer with
-        a single state each (else the rollback runs the tokens again: exact, a forward slower)."""
-        return (
-            self.rollback_mode == "recorded"
-            and len(self._calls) == len(self.linear)
-            and all(id(layer) in self._conv_inputs for layer in self.linear)
-            and all(len(conv) == 1 and len(rec) == 1 for conv, rec, _prev in self._saved)
-        )
-
-    def _redo_linear_states(self, keep: int) -> None:
-        """Each linear layer's states after the block's first `keep` tokens, from its states before the block
-        and the verify forward's own inputs: the conv window over the kept inputs, and the delta rule's
-        recurrent form over the kept tokens from the kept recurrent state."""
-        for layer, (conv, rec, _prev), call in zip(self.linear, self._saved, self._calls, strict=True):
-            before = conv[0]
-            window = torch.cat([before, self._conv_inputs[id(layer)][..., :keep]], dim=-1)
-            conv_state, recurrent_state = layer.conv_states[0], layer.recurrent_states[0]
-            assert conv_state is not None and recurrent_state is not None  # a verify forward filled them
-            conv_state.copy_(window[..., -before.shape[-1] :])
-            query, key, value = call.args[:3]
-            kw = call.kwargs
-            _out, state = call.recurrent(
-                query[:, :keep],
-                key[:, :keep],
-                value[:, :keep],
-                g=kw["g"][:, :keep],
-                beta=kw["beta"][:, :keep],
-                initial_state=rec[0],
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
-            )
-            recurrent_state.copy_(state)
-
-
 def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
     # dflash's extract_context_feature: entry i + 1 for layer i (the last entry is after the final norm).
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -324,9 +132,15 @@ def _draft(
 
 @torch.no_grad()
 def walk_prompt(
-    model: nn.Module, drafter: DFlashDrafter, prompt: torch.Tensor, settings: WalkSettings, *, label: str = ""
+    target: TargetCache,
+    drafter: DFlashDrafter,
+    prompt: torch.Tensor,
+    settings: WalkSettings,
+    *,
+    label: str = "",
 ) -> PromptWalk:
     """dflash_generate (greedy) for one prompt Long[T] or Long[1, T]; returns its steps and output."""
+    model = target.model
     spec = drafter.spec
     block_size = settings.block_size or spec.block_size
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -337,8 +151,7 @@ def walk_prompt(
     out = torch.full((1, max_length + 1), spec.mask_token_id, dtype=torch.long, device=device)
     stops = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
 
-    target = _TargetCache(model, settings.rollback)
-    prefill = target.forward(input_ids, logits_to_keep=1)
+    prefill = target.prefill(input_ids)
     out[:, :n_in] = input_ids
     out[:, n_in] = prefill.logits[:, -1].argmax(dim=-1)
     context = _features(prefill.hidden_states, spec.target_layer_ids)
@@ -385,6 +198,17 @@ def _unwrap(module: nn.Module) -> DFlashDrafter:
     return module
 
 
+def _attention_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """SDPA without cuDNN on CUDA: cuDNN builds an execution plan for every new KV length, which the walk's
+    growing context hits at every eager call (3.0 ms of host time per call on an H200,
+    docs/benchmarks.md#decode-walk); the memory-efficient kernel takes the verify's mask without one."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -414,18 +238,30 @@ def decode_walk(
     try:
         _sync(device)
         t0 = time.perf_counter()
+        block_size = settings.block_size or draft.spec.block_size
+        target = TargetCache(
+            model,
+            settings.rollback,
+            kind=settings.cache,
+            max_len=max(p.numel() for p in prompts) + settings.max_new_tokens + 1,
+            block_size=block_size,
+        )
         # Layers compiled in place for training (train.compile) would recompile for every context length.
-        with torch.compiler.set_stance("force_eager"), _recorder.installed():
+        with torch.compiler.set_stance("force_eager"), recorder.installed(), _attention_backends(device):
             walks = [
-                walk_prompt(model, draft, p, settings, label=f" prompt {i} of {len(prompts)}")
+                walk_prompt(target, draft, p, settings, label=f" prompt {i} of {len(prompts)}")
                 for i, p in enumerate(prompts, 1)
             ]
+        kind = target.kind
+        del target  # its CUDA graph and static cache
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:
         draft.train(was_training)
     new_tokens = [w.output_ids.shape[1] - p.numel() for w, p in zip(walks, prompts, strict=True)]
-    return summarize(walks, new_tokens, seconds)
+    result = summarize(walks, new_tokens, seconds)
+    result.cache = kind
+    return result
 
 
 def summarize(walks: Sequence[PromptWalk], new_tokens: Sequence[int], seconds: float) -> WalkResult:

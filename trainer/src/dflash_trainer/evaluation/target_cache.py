@@ -1,0 +1,355 @@
+"""The decode walk's target side: prefill, the verify forward of a drafted block, and an exact rollback.
+
+Rollback. Attention KV is cut to the accepted length; the Gated DeltaNet layers of hybrid targets
+(Qwen3.5/3.6, Qwen3-Next) carry a recurrent and a conv state that cannot be cut. Their states before the
+verify forward are kept, and the forward's own inputs to each layer's conv and delta rule are recorded; the
+states after the accepted tokens are then the conv window over the kept inputs and one delta-rule step over
+the accepted tokens from the kept recurrent state (what serving engines do), not a second forward of the
+target ("recorded"). "rerun" restores the states and runs the accepted tokens through the whole target again:
+the same states, a second forward per rejection. (dflash 0.1.0's crop rewinds only the conv state: on a hybrid
+target it leaks rejected drafts into the recurrent state.)
+
+Cache kinds. "dynamic": transformers' DynamicCache, the attention KV grows by concatenation. "static": a
+StaticCache of the walk's longest prompt plus its new tokens, reused for every prompt; the verify forward gets
+its positions and its attention mask (a query attends to the cache up to its own position) from fixed buffers.
+"graph": the static verify forward of a whole block captured once in a CUDA graph and replayed: a verify step
+of an eager 64-layer target is bound by its host (about 2 ms of Python and launches per layer; the device
+needs a fraction of that), a replay is not. A verify of a shorter block (a prompt's last) and the prefill run
+eagerly over the same cache. The graph needs SDPA attention (the mask is SDPA's boolean form) and a target
+without routed experts (their dispatch reads the router's choice on the host); others walk "dynamic".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+from dflash_trainer.model.kernels import DELTA_RULE_OPS
+
+RECURRENT_OP = "torch_recurrent_gated_delta_rule"
+Rollback = Literal["recorded", "rerun"]
+CacheKind = Literal["graph", "static", "dynamic"]
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass
+class _DeltaRuleCall:
+    """One layer's delta rule in a verify forward: its inputs, and the module's recurrent form to redo it."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    recurrent: Callable[..., Any]
+
+
+class _DeltaRuleRecorder:
+    """Records every delta-rule call of the hybrid modelling modules while `calls` is a list (in call order:
+    the order of the layers). Installed for a walk, removed after it."""
+
+    def __init__(self) -> None:
+        self.calls: list[_DeltaRuleCall] | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+        from transformers.models.qwen3_next import modeling_qwen3_next
+
+        patched = []
+        for module in (modeling_qwen3_5, modeling_qwen3_next):
+            recurrent = getattr(module, RECURRENT_OP, None)
+            for name in DELTA_RULE_OPS:
+                fn = getattr(module, name, None)
+                if fn is not None and recurrent is not None:
+                    patched.append((module, name, fn))
+                    setattr(module, name, self._recording(fn, recurrent))
+        try:
+            yield
+        finally:
+            for module, name, fn in reversed(patched):
+                setattr(module, name, fn)
+
+    def _recording(self, fn: Callable[..., Any], recurrent: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # the device dispatch's marks (its __dict__) stay readable
+        def record(*args: Any, **kwargs: Any) -> Any:
+            if self.calls is not None:
+                self.calls.append(_DeltaRuleCall(args, kwargs, recurrent))
+            return fn(*args, **kwargs)
+
+        return record
+
+
+recorder = _DeltaRuleRecorder()
+
+
+def graph_refusal(model: nn.Module) -> str | None:
+    """Why the verify forward of `model` cannot run over a static cache and a CUDA graph; None when it can."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention {getattr(config, '_attn_implementation', None)!r} is not sdpa"
+    if getattr(config, "num_experts", 0):
+        return "routed experts"
+    return None
+
+
+@dataclass
+class _VerifyOutput:
+    """What the walk reads of a verify forward (the graph's static tensors: read before the next replay)."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+
+
+class TargetCache:
+    """The target's KV cache for one walk (every prompt in turn) with an exact rollback for attention and
+    Gated DeltaNet layers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rollback: Rollback = "recorded",
+        *,
+        kind: CacheKind = "dynamic",
+        max_len: int = 0,
+        block_size: int = 0,
+    ) -> None:
+        self.model = model
+        self.rollback_mode = rollback
+        device = model.get_input_embeddings().weight.device
+        if kind != "dynamic" and (graph_refusal(model) is not None or max_len < 1 or block_size < 1):
+            kind = "dynamic"
+        if kind == "graph" and device.type != "cuda":
+            kind = "static"
+        self.kind: CacheKind = kind
+        self.block_size = block_size
+        self.length = 0
+        self._saved: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, bool]]] = []
+        # The verify forward's inputs to each linear layer's conv (by layer) and delta rule (in layer order).
+        self._conv_inputs: dict[int, torch.Tensor] = {}
+        self._calls: list[_DeltaRuleCall] = []
+        self._recording = False
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_out: _VerifyOutput | None = None
+        self._warmed = False
+        if kind == "dynamic":
+            self._new_cache(DynamicCache(config=model.config))
+            return
+        self._new_cache(StaticCache(config=model.config, max_cache_len=max_len))
+        # The static verify's inputs: token ids, positions and the attention mask, filled before each verify.
+        self._ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
+        self._positions = torch.zeros(1, block_size, dtype=torch.long, device=device)
+        self._offsets = torch.arange(block_size, device=device)
+        self._kv_index = torch.arange(max_len, device=device)
+        self._mask = torch.zeros(1, 1, block_size, max_len, dtype=torch.bool, device=device)
+        types = getattr(model.config, "layer_types", None) or [FULL_ATTENTION]
+        self._masks = {t: (self._mask if t == FULL_ATTENTION else None) for t in set(types)}
+
+    def _new_cache(self, cache: DynamicCache | StaticCache) -> None:
+        self.cache = cache
+        layers = cache.layers
+        if any(isinstance(layer, DynamicSlidingWindowLayer | StaticSlidingWindowLayer) for layer in layers):
+            raise ValueError("the decode walk cannot roll back a sliding-window target cache")
+        self.linear = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.attention = [layer for layer in layers if isinstance(layer, DynamicLayer | StaticLayer)]
+        if self.rollback_mode == "recorded":
+            for layer in self.linear:  # this cache's own layers: an instance attribute shadows the method
+                layer.update_conv_state = self._conv_recorder(  # type: ignore[method-assign]
+                    layer, layer.update_conv_state
+                )
+
+    def _conv_recorder(self, layer: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+        def record(conv_states: torch.Tensor, state_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+            if self._recording and state_idx == 0:
+                self._conv_inputs[id(layer)] = conv_states
+            return update(conv_states, state_idx, *args, **kwargs)
+
+        return record
+
+    def prefill(self, ids: torch.Tensor) -> Any:
+        """A new prompt: the cache emptied, then the prompt's forward (its last token's logits)."""
+        if self.kind == "dynamic":
+            if self.length:
+                self._new_cache(DynamicCache(config=self.model.config))
+        else:
+            self.cache.reset()
+        self.length = 0
+        return self.forward(ids, logits_to_keep=1)
+
+    def verify(self, block: torch.Tensor) -> Any:
+        """The verify forward of a drafted block, with what a rollback needs kept (hybrid targets)."""
+        if self.linear:
+            self.snapshot()
+        static = self.kind != "dynamic" and block.shape[1] == self.block_size
+        record = bool(self.linear) and self.rollback_mode == "recorded"
+        if static and self.kind == "graph" and self._warmed:
+            return self._graph_verify(block, record)  # records once, at its capture
+        if record:
+            self._conv_inputs, self._calls = {}, []
+        with self._recorded() if record else contextlib.nullcontext():
+            out = self._static_verify(block) if static else self.forward(block)
+        self._warmed |= static  # kernels (Triton autotuning, cuBLAS) ran once before a capture
+        return out
+
+    @contextlib.contextmanager
+    def _recorded(self) -> Iterator[None]:
+        self._recording, recorder.calls = True, self._calls
+        try:
+            yield
+        finally:
+            self._recording, recorder.calls = False, None
+
+    def forward(self, ids: torch.Tensor, *, logits_to_keep: int = 0, features: bool = True) -> Any:
+        out = self.model(
+            input_ids=ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=features,
+            logits_to_keep=logits_to_keep,
+        )
+        self.length += ids.shape[1]
+        return out
+
+    def _fill(self, block: torch.Tensor) -> None:
+        """The static verify's inputs for `block` at the cache's current length."""
+        self._ids.copy_(block)
+        torch.add(self._offsets, self.length, out=self._positions[0])
+        torch.le(self._kv_index[None, :], self._positions[0, :, None], out=self._mask[0, 0])
+
+    def _run_buffers(self) -> Any:
+        return self.model(
+            input_ids=self._ids,
+            position_ids=self._positions,
+            attention_mask=self._masks,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+
+    def _static_verify(self, block: torch.Tensor) -> Any:
+        self._fill(block)
+        out = self._run_buffers()
+        self.length += block.shape[1]
+        return out
+
+    def _graph_verify(self, block: torch.Tensor, record: bool) -> _VerifyOutput:
+        if self._graph is None:
+            self._capture(record)
+        assert self._graph is not None and self._graph_out is not None
+        self._fill(block)
+        self._graph.replay()
+        self.length += block.shape[1]
+        return self._graph_out
+
+    def _capture(self, record: bool) -> None:
+        """Records the static verify forward in a CUDA graph (nothing runs: the next replay does). What the
+        recording keeps (conv inputs, delta-rule calls) are the graph's own tensors, refreshed by each
+        replay."""
+        self._conv_inputs, self._calls = {}, []
+        graph = torch.cuda.CUDAGraph()
+        device = self._ids.device.type
+        # Autocast's cast cache must be off while capturing (torch.cuda.graph's documented restriction).
+        cast = torch.autocast(
+            device,
+            dtype=torch.get_autocast_dtype(device),
+            enabled=torch.is_autocast_enabled(device),
+            cache_enabled=False,
+        )
+        torch.cuda.synchronize()
+        recording = self._recorded() if record else contextlib.nullcontext()
+        # thread_local: another thread's CUDA calls (a loader pinning memory) do not break the capture.
+        with cast, recording, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = self._run_buffers()
+        self._graph = graph
+        self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
+
+    def snapshot(self) -> None:
+        """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting."""
+        self._saved = [
+            (
+                {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
+                dict(layer.has_previous_state),
+            )
+            for layer in self.linear
+        ]
+
+    def _cut_attention(self, length: int) -> None:
+        for layer in self.attention:
+            if not layer.is_initialized:
+                continue
+            if isinstance(layer, StaticLayer):  # positions past `length` are masked and overwritten later
+                layer.cumulative_length.fill_(length)
+            elif layer.get_seq_length() > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def rollback(self, start: int, keep: int, tokens: torch.Tensor) -> None:
+        """After a verify of `tokens` from position `start`: keep its first `keep` tokens, drop the rest."""
+        if keep == tokens.shape[1]:
+            return
+        if not self.linear:
+            self._cut_attention(start + keep)
+            self.length = start + keep
+            return
+        if self._recorded_complete():
+            self._cut_attention(start + keep)
+            self._redo_linear_states(keep)
+            self.length = start + keep
+            return
+        # A recurrent state after `keep` of the block's tokens never existed: restore the state before the
+        # block and run the kept tokens again.
+        self._cut_attention(start)
+        for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
+            for i, s in conv.items():
+                layer.conv_states[i].copy_(s)
+            for i, s in rec.items():
+                layer.recurrent_states[i].copy_(s)
+            layer.has_previous_state.update(prev)
+        self.length = start
+        self.forward(tokens[:, :keep], logits_to_keep=1, features=False)
+
+    def _recorded_complete(self) -> bool:
+        """Whether the verify forward recorded one conv input and one delta-rule call per linear layer with
+        a single state each (else the rollback runs the tokens again: exact, a forward slower)."""
+        return (
+            self.rollback_mode == "recorded"
+            and len(self._calls) == len(self.linear)
+            and all(id(layer) in self._conv_inputs for layer in self.linear)
+            and all(len(conv) == 1 and len(rec) == 1 for conv, rec, _prev in self._saved)
+        )
+
+    def _redo_linear_states(self, keep: int) -> None:
+        """Each linear layer's states after the block's first `keep` tokens, from its states before the block
+        and the verify forward's own inputs: the conv window over the kept inputs, and the delta rule's
+        recurrent form over the kept tokens from the kept recurrent state."""
+        for layer, (conv, rec, _prev), call in zip(self.linear, self._saved, self._calls, strict=True):
+            before = conv[0]
+            window = torch.cat([before, self._conv_inputs[id(layer)][..., :keep]], dim=-1)
+            conv_state, recurrent_state = layer.conv_states[0], layer.recurrent_states[0]
+            assert conv_state is not None and recurrent_state is not None  # a verify forward filled them
+            conv_state.copy_(window[..., -before.shape[-1] :])
+            query, key, value = call.args[:3]
+            kw = call.kwargs
+            _out, state = call.recurrent(
+                query[:, :keep],
+                key[:, :keep],
+                value[:, :keep],
+                g=kw["g"][:, :keep],
+                beta=kw["beta"][:, :keep],
+                initial_state=rec[0],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
+            )
+            recurrent_state.copy_(state)
