@@ -7,12 +7,12 @@
 # (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
 # Sections, in this order (default: all):
 #   walk       the decode walk at the reference shape: ms per verify step, graph/recorded against dynamic/recorded
+#   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
-#   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
+#   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
 #              then with it removed (an idle host)
-#   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 # Results: $OUT/*.log and *.json (walk.json, preflight.json, target.json, session.log).
 set -u
 STATE=${STATE:-/var/tmp/dflash-seconds}
@@ -26,13 +26,17 @@ start)
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
-    sections=${*:-preflight walk target rehearsal load gputests}
+    sections=${*:-walk gputests preflight rehearsal target load}
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"
     if want walk; then
       echo "=== decode walk: CUDA graph over a static cache against the eager dynamic cache ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-1}" \
         --new-tokens "${WALK_TOKENS:-24}" --profile 3 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
+    fi
+    if want gputests; then
+      echo "=== GPU tests ($(date -u +%T))"
+      OUT=$STATE/out bash scripts/gpu_bench.sh gputests 2>&1 | tail -n 40
     fi
     if want preflight; then
       echo "=== preflight: before and after, cold, warm, failing ($(date -u +%T))"
@@ -43,16 +47,16 @@ start)
       timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/model${PREFLIGHT_LAYERS:+-$PREFLIGHT_LAYERS} "${before[@]}" \
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
-    if want target; then
-      echo "=== target forward, 8-layer slice ($(date -u +%T))"
-      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
-        --variant trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused 2>&1 | grep -v "^Loading weights" | tail -n 30
-    fi
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"
       OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
         --stop-at 15 2>&1 | grep -v "^Loading weights" | tail -n 60
       grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   triton" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
+    fi
+    if want target; then
+      echo "=== target forward, 8-layer slice ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
+        --variant trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused 2>&1 | grep -v "^Loading weights" | tail -n 30
     fi
     if want load; then
       echo "=== fast_load beside the staged target: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
@@ -61,10 +65,6 @@ start)
       rm -rf /dev/shm/dflash
       echo "=== fast_load on an idle host: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
       timeout 180 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 2>&1 | tail -n 20
-    fi
-    if want gputests; then
-      echo "=== GPU tests ($(date -u +%T))"
-      OUT=$STATE/out bash scripts/gpu_bench.sh gputests 2>&1 | tail -n 40
     fi
     rm -rf /dev/shm/dflash "$STATE/rehearsal"
     echo "session exit ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
