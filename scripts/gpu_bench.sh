@@ -3,7 +3,7 @@
 # time limit so a slow one cannot eat the others. Results: $OUT/*.log and *.json; figures go to docs/benchmarks.md.
 #   device run:  bash scripts/gpu_bench.sh [SECTION...]   (carry .whl: flash-linear-attention + fla-core wheels)
 #   sections: drafter load pipeline gputests (default: all, in that order)
-#   issue 17's sections (one H200; asked for by name): load-grid (fast_load's halves apart and a grid of its
+#   sections run only when named (one H200): load-grid (fast_load's halves apart and a grid of its
 #   settings, with the peers), target (the target forward: eager, compiled, CUDA graphs, fp32 reference, device
 #   timeline from the profiler's trace; traces in $OUT/target-traces.tgz; about 7 minutes), drafter-chunks
 #   (the drafter step at loss chunk 8192 and 2048, one process each; about 5 minutes)
@@ -36,7 +36,8 @@ elif [ "$gpus" -ge 2 ]; then
 else
   run pipeline 150 python3 trainer/bench/bench_pipeline.py --size qwen3-8b --out "$OUT/pipeline.json"
 fi
-# issue 17's sections; what they vary can be narrowed for one call: LOAD_GRID_ARGS, TARGET_VARIANTS, DRAFTER_CHUNKS
+# the sections run only when named; one call can narrow what they vary: LOAD_GRID_ARGS, TARGET_VARIANTS,
+# DRAFTER_CHUNKS
 if want load-grid; then
   # shellcheck disable=SC2086  # a list of arguments
   run load-grid 120 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 5 --diagnose --grid ${LOAD_GRID_ARGS:-}

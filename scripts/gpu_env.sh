@@ -2,9 +2,10 @@
 # with the carried wheels (.whl/) and this tree's trainer on the path, and what it has, printed once.
 # NVLink multicast stays off on shared hosts (the device tool's rule).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# The lent machines set PYTHONDONTWRITEBYTECODE=1 over a venv without __pycache__: every process compiled torch,
-# transformers and FLA from source (22-24 s of each start, rehearsal run 4). CT 200's venv has its bytecode (pip
-# writes it; L3's verify checks it), so the rehearsal keeps bytecode too, under a prefix any user can write.
+# The lent machines set PYTHONDONTWRITEBYTECODE=1 over a venv without __pycache__: every process compiles torch,
+# transformers and FLA from source (22-24 s of each start; docs/gpu-rehearsal.md). CT 200's venv has its
+# bytecode (pip writes it; L3's verify checks it), so the rehearsal keeps bytecode too, under a prefix any user
+# can write.
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/var/tmp/dflash-pycache}
 # As the unit keeps them (hardening.j2): Triton autotune results on disk beside the kernels.

@@ -5,8 +5,8 @@
 # 2. python -m dflash_trainer.service.rehearse: a random Qwen3.6-27B-shaped target in /dev/shm, then preflight,
 #    launch -- serve (READY, steps 1-50, SIGTERM -> checkpoint, exit 0), launch -- serve (resume, steps 51-100),
 #    export, export --check, the smoke summary and PASS or FAIL. One rank per GPU (one GPU: one process).
-# TARGET_COMPILE=0 or 1: the reference configuration with train.target_compile false or true (the reference's own
-# value otherwise: true since 2026-12-03).
+# TARGET_COMPILE=0 or 1: the reference configuration with train.target_compile false or true (unset: the
+# reference's own value, true).
 # State (the target, checkpoints of ~27 GB each) stays under STATE; logs and figures are copied to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-rehearsal}
@@ -21,7 +21,7 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
 fi
 echo "=== rehearsal"
 config=()
-if [ -n "${TARGET_COMPILE:-}" ]; then  # the reference configuration with train.target_compile set (issue 17)
+if [ -n "${TARGET_COMPILE:-}" ]; then  # the reference configuration with train.target_compile set
   want=false
   [ "$TARGET_COMPILE" = 1 ] && want=true
   sed -E "s/^target_compile = (true|false)$/target_compile = $want/" trainer/configs/reference.toml \

@@ -8,7 +8,7 @@
 # graph with and without fused projections, their plain forwards, the trainer's compiled forward with and without
 # them; traces kept), scripts/gpu_rehearsal.sh,
 # then the drafter benchmark (flex against dense, then a profile of its step) and our step against SpecForge's
-# (issue 17; carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
+# (carry its wheel, specforge-0.2.0, in .whl: gpu_env.sh installs every carried wheel without
 # dependencies). SESSION_BENCHES names the benchmarks to run (default "drafter target load specforge"; 0: none);
 # TARGET_VARIANTS the target forward's variants (default: all those named above).
 # `poll` waits, then copies the session log, the rehearsal's phase logs, rehearsal.json and the benchmarks' JSON
@@ -27,15 +27,16 @@ start)
     bench_on() { [[ " ${SESSION_BENCHES:-drafter target load specforge} " == *" $1 "* ]]; }
     echo "=== GPU tests ($(date -u +%T))"
     timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
-    # the loader first, on an idle host: run after a rehearsal (60 GB left in /dev/shm, ~100 GB of checkpoints
-    # just written) it gave 15-21 GB/s where it had given 45 (2026-12-02)
+    # the loader first, on an idle host: after a rehearsal (60 GB left in /dev/shm, ~100 GB of checkpoints
+    # just written) it gives 15-21 GB/s against 45 (docs/journal.md)
     if bench_on load; then
       sync
       echo "=== loading the staged model: fast_load against the peers, then its readers x chunks, best and median of 7 ($(date -u +%T))"
       timeout 240 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 --grid \
         --grid-readers 8 10 12 14 --grid-chunk-mb 8 12 --grid-buffers 1 2>&1 | tail -n 20
     fi
-    # the target forward next, on a cool GPU: after the rehearsal the same GEMMs took 24.4 or 27.3 ms (2026-12-02)
+    # the target forward next, on a cool GPU: after a rehearsal the same GEMMs take 24.4 or 27.3 ms
+    # (docs/journal.md)
     if bench_on target; then
       echo "=== target forward with capture: eager, compiled layers in a CUDA graph with and without fused projections, train.target_compile ($(date -u +%T))"
       timeout 480 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --trace 2 \

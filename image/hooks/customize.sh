@@ -53,8 +53,8 @@ install_venv() {
   in_chroot python3 -m venv "$VENV"
   # --require-hashes: a wheel in the wheelhouse that matches none of its pin's sha256 is refused.
   # --no-compile, then compileall below: pip's bytecode records each source's mtime, which the tarball then
-  # clamps to SOURCE_DATE_EPOCH, so every .pyc of the image was stale and each first import in CT 200
-  # compiled again (seen in the lab 2026-12-01). Hash-checked bytecode stays valid, and compiles on both cores.
+  # clamps to SOURCE_DATE_EPOCH, so every .pyc of the image would be stale and each first import in CT 200
+  # would compile again. Hash-checked bytecode stays valid, and compiles on both cores.
   in_chroot "$VENV/bin/python" -m pip install -q --no-compile --no-index --find-links "$STAGE/wheels" --require-hashes \
     --requirement "$STAGE/requirements.lock" || die "pip could not install the lock from the wheelhouse"
   # The wheel of the build's hash lock (pack_trainer.py), and only it: no index, no dependencies, its sha256.

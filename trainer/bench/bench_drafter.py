@@ -1,4 +1,4 @@
-"""Drafter training step benchmark: tokens/s, MFU and peak memory of DrafterSide.step (issue #3).
+"""Drafter training step benchmark: tokens/s, MFU and peak memory of DrafterSide.step (docs/benchmarks.md).
 
 Builds reference-shaped drafters from DrafterSpec (no target model): random context features [B, T, K*H],
 a random frozen embedding and LM head of the full vocabulary, and times the trainer's own step (anchors,

@@ -11,7 +11,7 @@ Writes a model of --size-gb (bf16 tensors of --tensor-mb each) into --dir (defau
   fast_load       dflash_trainer.model.fast_load (goal: >= 25 GB/s per device)
   fast_load/reg   fast_load with method="register" (CUDA only, experimental; n/a where the driver refuses)
   N devices       fast_load.load_on_devices onto every --devices at once: aggregate and per device
-  fastsafetensors issue 17's peers on the same file where installed (a device run carries their wheels):
+  fastsafetensors the field's loaders on the same file where installed (a device run carries their wheels):
   runai streamer  fastsafetensors' fastsafe_open (nogds: no GPUDirect Storage in a CT) and the Run:ai
                   model streamer (to host memory, then to the device, as vLLM uses it)
   --diagnose      fast_load's two halves apart, with its options (CUDA): its readers filling the pinned ring
@@ -208,8 +208,8 @@ HOST_MEMORY_KEYS = ("MemAvailable", "Shmem", "Dirty", "Writeback")
 
 def host_memory(meminfo: str = "/proc/meminfo") -> str:
     """The host's memory as the loader finds it: reads from /dev/shm compete with whatever else moves host
-    memory (2026-12-02: run after a rehearsal that left 60 GB in /dev/shm and had just written ~100 GB of
-    checkpoints, fast_load fell from 45 to 15-21 GB/s while the pinned copy alone stayed at 55)."""
+    memory (after a rehearsal that left 60 GB in /dev/shm and had just written ~100 GB of checkpoints,
+    fast_load fell from 45 to 15-21 GB/s while the pinned copy alone stayed at 55; docs/journal.md)."""
     try:
         fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines() if ":" in line)
     except OSError:

@@ -1,4 +1,4 @@
-"""Our drafter step against SpecForge's: same GPU, same shape, same inputs, one run (issue 17's peer).
+"""Our drafter step against SpecForge's: same GPU, same shape, same inputs, one run (docs/benchmarks.md).
 
     python3 trainer/bench/bench_specforge.py --device cuda --out $OUT/specforge.json   # one H200
     python3 trainer/bench/bench_specforge.py --device cpu                       # tiny shapes, any machine

@@ -1,6 +1,6 @@
 """Benchmark: the target's forward with feature capture (TargetModel.capture): eager, compiled, CUDA graphs.
 
-    python3 trainer/bench/bench_target.py --device cuda --layers 8 --out target.json   # issue 17's slice
+    python3 trainer/bench/bench_target.py --device cuda --layers 8 --out target.json   # the reference slice
     python3 trainer/bench/bench_target.py --device cpu --shape qwen3.6-mini --seq-len 64  # smoke run
 
 Writes a random target of --shape cut to its first --layers layers (dflash-train model random's writer; on a
@@ -88,7 +88,7 @@ class Variant:
     dtype: torch.dtype = torch.bfloat16
     graph: bool = False  # replayed from a CUDA graph (the unpadded path)
     capture: bool = True  # False: the plain forward, hooks idle (the base of the capture overhead)
-    repeat: bool = False  # True: transformers' own q/k head repeat before the delta rule (before 2026-12-02)
+    repeat: bool = False  # True: transformers' own q/k head repeat before the delta rule (not grouped heads)
     trainer: bool = False  # train.target_compile's forward (CompiledCapture: dynamic shapes, no graph)
     fuse: bool = False  # sibling projections in one GEMM (model.fused_projections)
 
@@ -117,7 +117,7 @@ VARIANTS: dict[str, Variant] = {
     "trainer-graphed": Variant(trainer=True, fuse=True, graph=True),
     "trainer-graphed-plain": Variant(trainer=True, fuse=True, graph=True, capture=False),
 }
-# The fastest of 2026-12-02 (graph-layers-opaque) and the fused projections, each with its plain forward,
+# The fastest unfused variant (graph-layers-opaque) and the fused projections, each with its plain forward,
 # beside eager; the trainer's compiled forward with and without the fusion.
 DEFAULT_VARIANTS = [
     "eager",

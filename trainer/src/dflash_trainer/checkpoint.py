@@ -11,9 +11,9 @@ state, and a writer thread does the rest. Where the GPU has room for a second co
 reference: weights and AdamW moments in fp32), the snapshot is a device-to-device copy (milliseconds) and
 the writer streams it to disk tensor by tensor on a side stream (torch.save copies one storage at a time to
 the host), so no host memory is held for it; otherwise it goes into host buffers (pinned, non-blocking copies,
-reused from save to save). Run 2 of the GPU rehearsal measured the host path at 7-15 s per save (pinning
-20 GB on the first save; a host copy of the EMA, since dropped). At most one save is in flight: the next one
-first waits for the previous write, and says how long it waited.
+reused from save to save). The host path stalls a save for 7-15 s on one H200 (pinning 20 GB on the first
+save; docs/gpu-rehearsal.md). At most one save is in flight: the next one first waits for the previous
+write, and says how long it waited.
 A write error (disk full) is raised in the training thread at its next step, as one line naming the
 checkpoint, the directory and the real OSError (torch.save hides it behind "enforce fail ... unexpected pos").
 """

@@ -54,7 +54,7 @@ class CpuEma:
         """Queues the pinned staging buffers' allocation in the worker, once (later calls are no-ops).
 
         Pinning 6.9 GB at the reference takes about 5 s and holds the CUDA driver while it runs: beside a
-        resume's host-to-device copies it made them 2.9 s slower (rehearsal run 4). So nothing pins at
+        resume's host-to-device copies it makes them 2.9 s slower (docs/gpu-rehearsal.md). So nothing pins at
         construction: the trainer calls this after its first optimizer step is queued, and the first fold
         (`every` steps later) finds the buffers made.
         """

@@ -1,8 +1,9 @@
 """Where a start's seconds go: named phases of the loading, said in one line when the process is ready.
 
-The warm restart's goal is its first step in under 30 s after launch (issue 14); rehearsal run 3 measured
-36.5 s with 17 s of it not timed apart. Each phase of the start (the data's index, the target, the drafter's
-parts, the checkpoint) is timed where it runs; the service's READY line lists them in order with the rest.
+The warm restart's goal is its first step in under 30 s after launch (docs/benchmarks.md, the GPU rehearsal's
+row); a start that is not timed by phase leaves its slow part unnamed (docs/gpu-rehearsal.md). Each phase of
+the start (the data's index, the target, the drafter's parts, the checkpoint) is timed where it runs; the
+service's READY line lists them in order with the rest.
 """
 
 from __future__ import annotations

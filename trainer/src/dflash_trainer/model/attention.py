@@ -78,7 +78,7 @@ def flex_block_mask(
 
     Built from each query row's visible key intervals: the same tensors as create_block_mask(mask_mod), which
     evaluates mask_mod on all N x (T+N) pairs (17 ms a step for two layer types at the reference shape on an
-    H200, 2026-12-01) where this does N x (key tiles). test_model_attention_paths compares the two.
+    H200; docs/journal.md) where this does N x (key tiles). test_model_attention_paths compares the two.
     """
     num = anchors.shape[1]
     n = num * block_size

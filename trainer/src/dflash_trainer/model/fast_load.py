@@ -147,9 +147,9 @@ class Loader:
         self,
         device: str | torch.device = "cpu",
         *,
-        # bench_load.py on H200 hosts: 16 MiB x 12 (30.8 GB/s against 18.0 with 64 MiB x 6, 2026-11-29); 8 MiB
-        # x 12 buffers, 12 readers: 45.4 GB/s median against 39.3 with 16 MiB in the same run (--grid,
-        # 2026-12-02; docs/journal.md). Readers are capped by the CPUs there are.
+        # bench_load.py on H200 hosts: 16 MiB x 12 (30.8 GB/s against 18.0 with 64 MiB x 6); 8 MiB x 12
+        # buffers, 12 readers: 45.4 GB/s median against 39.3 with 16 MiB in the same run (--grid). Figures:
+        # docs/journal.md; the current one: docs/benchmarks.md. Readers are capped by the CPUs there are.
         chunk_mb: int = 8,
         num_buffers: int = 12,
         readers: int = min(12, os.cpu_count() or 1),

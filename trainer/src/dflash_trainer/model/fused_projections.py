@@ -1,9 +1,9 @@
 """One GEMM for the projections of a layer that read the same input, in the target's compiled forward.
 
-Issue 17: the 27B-shaped target forward is bound by its GEMMs (96 % of the measured matmul rate), and a Gated
-DeltaNet layer runs five of them on one input: q|k|v, z and the two 48-column b and a, which cuBLAS runs as
-split-K GEMMs of 12 us each; the MLP runs gate and up apart, the attention q, k and v. One wider GEMM per
-group fills the GPU better and launches fewer kernels.
+The 27B-shaped target forward is bound by its GEMMs (96 % of the measured matmul rate; docs/journal.md),
+and a Gated DeltaNet layer runs five of them on one input: q|k|v, z and the two 48-column b and a, which
+cuBLAS runs as split-K GEMMs of 12 us each; the MLP runs gate and up apart, the attention q, k and v. One
+wider GEMM per group fills the GPU better and launches fewer kernels.
 
 transformers' layers call each projection by name (`self.in_proj_z(hidden_states)`), so their forwards stay
 as they are. Instead:

@@ -5,8 +5,8 @@ Dynamo traces FLA's Triton kernels badly (model.target: 10 graphs, 2.3x slower),
 torch.compiler.disable each Gated DeltaNet layer fell into five graphs: the break at the kernel call ends the
 layer's graph at the attention module and compiles the module's forward as a frame of its own, cut again at
 the causal conv and at the delta rule. Every graph is one more guard check and launch from the host (the
-trainer's compiled target ran 29.4 ms of kernels in a 41.1 ms call, bound by the host: rehearsal run 8's
-session, docs/journal.md). As custom ops (torch.library.custom_op) the kernels stay opaque to dynamo and
+trainer's compiled target ran 29.4 ms of kernels in a 41.1 ms call that way, bound by the host;
+docs/journal.md). As custom ops (torch.library.custom_op) the kernels stay opaque to dynamo and
 inductor but sit inside one graph per layer, and the query, key and value they take are made contiguous in
 that graph by inductor instead of eagerly by FLA's input guard.
 
@@ -17,7 +17,7 @@ CUDA, transformers' torch implementation elsewhere) of the modelling module it w
 
 The query and key are L2-normalised in the graph, inside the copy that makes them contiguous for FLA, and FLA
 gets them normalised (use_qk_l2norm_in_kernel=False): its two l2norm kernels a layer are gone, 12 launches
-fewer per forward of the 27B-shaped slice at the same device time (session 11: 344 against 353 us).
+fewer per forward of the 27B-shaped slice at the same device time (344 against 353 us; docs/journal.md).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ L2NORM_EPS = 1e-6
 
 # The stride order only: FLA's conv reads any strides. On CUDA inductor pads the fused in_proj GEMM's output
 # rows (comprehensive padding: torch 2.11 does, 2.13 leaves it unpadded), and under the default for custom
-# ops (needs_exact_strides) the q|k|v columns were copied out of it before every conv (182 us a 27B-shaped
-# forward, GPU session 11). Note: inductor's FX graph cache keys leave a custom op's tags out.
+# ops (needs_exact_strides) the q|k|v columns are copied out of it before every conv (182 us a 27B-shaped
+# forward; docs/journal.md). Note: inductor's FX graph cache keys leave a custom op's tags out.
 @torch.library.custom_op("dflash::causal_conv1d", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
 def causal_conv1d(
     module: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None

@@ -183,12 +183,12 @@ def _kernels_opaque_to_dynamo() -> None:
 
 
 def compile_layers(target: TargetModel, scope: str = "layers", fuse: bool = False) -> None:
-    """torch.compile the target's decoder layers at fixed shapes (issue 17: elementwise kernels were a quarter
-    of a 27B-shaped forward). "layers": each layer's `forward` (the capture hooks stay outside, in the
-    module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels traced);
-    "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward with the
-    linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm too
-    (capture applies it to the model's last layer). `fuse`: each layer's sibling projections in one GEMM
+    """torch.compile the target's decoder layers at fixed shapes (eager, elementwise kernels are a quarter of
+    a 27B-shaped forward; docs/journal.md). "layers": each layer's `forward` (the capture hooks stay outside,
+    in the module's call); "mlp": only each layer's MLP and its two norms (no linear-attention kernels
+    traced); "mlp-norm": those and the Gated DeltaNet's gated RMSNorm; "layers-opaque": each layer's forward
+    with the linear-attention kernels left opaque (`_kernels_opaque_to_dynamo`); with either, the final norm
+    too (capture applies it to the model's last layer). `fuse`: each layer's sibling projections in one GEMM
     (model.fused_projections). Parameter names, and with them the fast load and the decode walk, are
     unchanged."""
     if scope not in COMPILE_SCOPES:
@@ -216,13 +216,14 @@ def _stack(target: TargetModel) -> list[nn.Module]:
 
 class CompiledCapture:
     """`target.capture` with every decoder layer compiled, FLA's kernels opaque (`compile_layers`' scope
-    "layers-opaque"), for the training forward alone (train.target_compile; issue 17: 41.3 ms eager against
-    35.4 ms on the 27B-shaped slice). The compiled forwards are swapped in for each call and out after it: the
-    decode walk and the held-out figures run the same layers at shapes that change every call (a recompile
-    each) and stay eager. dynamic=True: rows of every length share one graph per layer kind, with no padding
-    to fixed shapes and no recompile per length; the capture hooks stay outside, in the module's call. The
-    final norm is compiled and swapped in alike. `fuse` (inductor only): each layer's sibling projections in
-    one GEMM (model.fused_projections; eager calls keep their own weights)."""
+    "layers-opaque"), for the training forward alone (train.target_compile: 41.3 ms eager against 35.4 ms on
+    the 27B-shaped slice; docs/journal.md, the current figure in docs/benchmarks.md). The compiled forwards
+    are swapped in for each call and out after it: the decode walk and the held-out figures run the same
+    layers at shapes that change every call (a recompile each) and stay eager. dynamic=True: rows of every
+    length share one graph per layer kind, with no padding to fixed shapes and no recompile per length; the
+    capture hooks stay outside, in the module's call. The final norm is compiled and swapped in alike. `fuse`
+    (inductor only): each layer's sibling projections in one GEMM (model.fused_projections; eager calls keep
+    their own weights)."""
 
     def __init__(self, target: TargetModel, backend: str | Callable = "inductor", fuse: bool = True) -> None:
         _kernels_opaque_to_dynamo()
@@ -275,8 +276,8 @@ def unpadded_masks(config: PreTrainedConfig) -> dict[str, None]:
 
 
 class GraphedForward:
-    """`fn` at one fixed input shape, captured once in a CUDA graph and replayed (issue 17: the target's
-    forward at the fixed training length without the per-kernel launch cost of eager PyTorch).
+    """`fn` at one fixed input shape, captured once in a CUDA graph and replayed (the target's forward at the
+    fixed training length without the per-kernel launch cost of eager PyTorch).
 
     Warm-up calls run on a side stream first (Triton autotuning, torch.compile, cuBLAS handles); the input is
     copied into a static buffer before each replay. The returned tensor is the graph's static output: the next

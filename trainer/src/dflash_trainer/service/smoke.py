@@ -55,7 +55,8 @@ def prepare(config: Path, out: Path, *, steps: int, stop_at: int, keep_last: int
         train["eval_every"] = steps
     if t.eval_walk_prompts > 0:
         # One short walk proves the walk and its figure's way to the summary; the reference's 8 x 128 tokens
-        # took 375 s on an H200 with a 27B-shaped target (GPU rehearsal run 3), too long for a smoke run.
+        # take 375 s on an H200 with a 27B-shaped target, too long for a smoke run
+        # (docs/acceptance.md#what-it-costs).
         train["eval_walk_prompts"] = 1
         train["eval_walk_new_tokens"] = min(t.eval_walk_new_tokens, 32)
     # Only the tensorboard directory among the trackers (wandb left out: no team dashboard).

@@ -270,7 +270,7 @@ class DrafterSide:
         if self.last is None:
             return {"checkpoint": str(path) if path else None}
         # Summed on the device: a host copy in float64 (13.6 GB at the reference, twice over while
-        # concatenated) got the rank OOM-killed after its final save in the GPU rehearsal.
+        # concatenated) gets the rank OOM-killed after its final save (docs/gpu-rehearsal.md).
         param_sum = torch.stack(
             [p.detach().sum(dtype=torch.float64) for p in self.drafter.parameters()]
         ).sum()
