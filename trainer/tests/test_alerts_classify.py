@@ -1,7 +1,7 @@
 """The cause of a stop, read from the journal lines the trainer and systemd print (alerts/classify.py).
 
 The OOM and kill journals were captured from the lab CT's dflash-train.service (systemd 252, two ranks, faults
-injected with DFLASH_FAULT, 2026-12-05); tracebacks and C++ frames are shortened. The other lines are the
+injected with DFLASH_FAULT); tracebacks and C++ frames are shortened. The other lines are the
 trainer's format strings (the file named beside each) and systemd's own (src/core/service.c, unit.c)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The run's figures from the trainer's journal lines (alerts/figures.py), the stall/slowdown/stale-checkpoint
 decisions (alerts/watch.py) and the Prometheus textfile (alerts/metrics.py).
 
-The step, item, ready and preflight lines were captured from the lab CT's two-rank dflash-train.service
-(2026-12-05); the one-process line is train/loop.py log_line's format."""
+The step, item, ready and preflight lines were captured from the lab CT's two-rank dflash-train.service;
+the one-process line is train/loop.py log_line's format."""
 
 from __future__ import annotations
 

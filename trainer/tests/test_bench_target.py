@@ -1,4 +1,4 @@
-"""bench_target's device-timeline accounting and a CPU smoke run of the benchmark (issue 17)."""
+"""bench_target's device-timeline accounting and a CPU smoke run of the benchmark."""
 
 import importlib
 import json

@@ -1,4 +1,4 @@
-"""Sibling projections in one GEMM in the target's compiled forward (model.fused_projections, issue 17): the
+"""Sibling projections in one GEMM in the target's compiled forward (model.fused_projections): the
 weights keep their values and names, no second copy is kept, eager calls are unchanged, and the compiled
 forward runs one matmul per group with the same features."""
 
@@ -179,8 +179,8 @@ def _conv_inputs_of_compiled_layers(target, ids: torch.Tensor) -> tuple[torch.Te
 def test_the_conv_reads_its_columns_of_a_padded_gemm_output_in_place(tiny_target) -> None:
     """inductor pads a matmul's output rows to 128 bytes on CUDA (comprehensive padding: the 27B shape's
     in_proj_qkv|z|b|a output, 16480 columns of bf16, is stored 16512 wide; torch 2.11 pads it, 2.13 does not).
-    Under the default layout constraint for custom ops (needs_exact_strides) the conv's q|k|v columns were
-    then copied out of the padded buffer, 182 us a forward (GPU session 11). The op asks for its stride order
+    Under the default layout constraint for custom ops (needs_exact_strides) the conv's q|k|v columns are
+    then copied out of the padded buffer, 182 us a forward (docs/journal.md). The op asks for its stride order
     only, and FLA's conv reads any strides: the columns go in as a view of the GEMM's output. Here padding is
     forced on CPU and the default set explicitly; on torch 2.11 the test fails without the op's tag (on 2.13
     the output is not padded); the features stay eager's."""
@@ -203,7 +203,7 @@ def test_the_conv_reads_a_padded_gemm_output_in_place_on_cuda(tiny_target) -> No
     """The same on CUDA, where inductor pads by itself (the torch and FLA of the GPU machine). The features
     are compared at inductor's defaults: forcing padding of every buffer (threshold 0) moves the tiny fp32
     layers ~0.03 from eager on CUDA whether the conv input is padded or not, fused or not, while FLA's
-    conv on a strided view equals it on a contiguous copy exactly (bench/diag_padded_conv.py, session 12)."""
+    conv on a strided view equals it on a contiguous copy exactly (bench/diag_padded_conv.py)."""
     pytest.importorskip("fla")
     ids = tiny_token_ids(0, (1, 64)).cuda()
     target = load_target(tiny_target("qwen3_5"), layer_ids=LAYER_IDS, device="cuda", dtype=torch.float32)

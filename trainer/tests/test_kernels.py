@@ -189,8 +189,8 @@ def test_a_gpu_too_small_for_target_and_drafter_is_named(monkeypatch, tmp_path):
 
 def test_host_memory_counts_the_checkpoint_snapshot_where_the_gpu_has_no_room_for_it(monkeypatch, tmp_path):
     """The reference drafter's CPU side (EMA 6.9 GB + fp32 pinned staging 6.9 GB) always; its 20 GB checkpoint
-    snapshot in host RAM only when the GPU cannot hold it (the rank the rehearsal's run 2 lost to the OOM
-    killer had the 51 GB target in /dev/shm beside it)."""
+    snapshot in host RAM only when the GPU cannot hold it (beside the 51 GB target in /dev/shm, that snapshot
+    got a rank OOM-killed on a 128 GB host; docs/gpu-rehearsal.md)."""
     from dflash_trainer.config import TargetInfo, load_config, validate
 
     GiB = 1 << 30

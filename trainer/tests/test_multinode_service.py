@@ -31,7 +31,7 @@ from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
 pytestmark = pytest.mark.system
 
 # The first stop must come well before the horizon, on an idle machine too: from seeing step 3 to the stop an
-# idle host trained 92 steps (CI, 2026-12-03).
+# idle CI host trains about 92 steps.
 STEPS = 300
 
 

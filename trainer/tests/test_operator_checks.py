@@ -239,7 +239,7 @@ def test_smoke_prepare_removes_earlier_runs_only(tmp_path):
 
 def test_synthetic_data_never_holds_the_mask_token(tmp_path):
     """The lab seeds with vocab_size = the mask id: prompts AND the target's greedy continuation stay below it
-    (the continuation used to pick the mask id: 11 times in 8192 tokens of the lab's seed)."""
+    (unsuppressed, the continuation picks the mask id 11 times in 8192 tokens of the lab's seed)."""
     import numpy as np
     import pyarrow as pa
 

@@ -73,8 +73,9 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
 
 
 def test_the_fault_scenario_expects_the_resume_from_the_newest_checkpoint_on_disk(tmp_path):
-    """CI saw a kill land after step 12's save was renamed into place but before its log line: the restart
-    rightly resumed at 13. Expected: the step on disk when the job ended (a half-written save is not one)."""
+    """A kill can land after step 12's save is renamed into place but before its log line (seen in CI): the
+    restart rightly resumes at 13. Expected: the step on disk when the job ended (a half-written save is not
+    one)."""
     from test_config import write_config
 
     from dflash_trainer.service.rehearse import _newest_checkpoint_step

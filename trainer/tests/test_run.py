@@ -192,8 +192,8 @@ def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_
 
 def writes_finish_within_their_step(run: Run):
     """A hook joining the checkpoint writer (without raising) after each step: on a slow machine one save's
-    write can outlast the steps to the next save, which is then deferred (CI saw step-00000005 for 4);
-    tests of what is saved when must not hang on the machine's speed."""
+    write can outlast the steps to the next save, which is then deferred (step-00000005 for 4 on a loaded CI
+    machine); tests of what is saved when must not hang on the machine's speed."""
 
     def join(_metrics) -> None:
         thread = run.drafter.checkpointer._thread
@@ -245,9 +245,9 @@ def test_resume_after_background_saves_is_exact(tmp_path, tiny_target, shards, m
 def test_a_save_due_during_the_previous_write_is_deferred_not_waited_for(
     tmp_path, tiny_target, shards, monkeypatch, caplog
 ):
-    """Saves more frequent than the disk can write (the smoke run's on a slow disk: 25 s of stall in GPU
-    rehearsal run 4): the save is deferred to the first step that finds the write done, so no periodic save
-    stalls training for the rest of a write; the run's final save still lands, and waits."""
+    """Saves more frequent than the disk can write (the smoke run's on a slow disk: 25 s of stall;
+    docs/gpu-rehearsal.md): the save is deferred to the first step that finds the write done, so no periodic
+    save stalls training for the rest of a write; the run's final save still lands, and waits."""
     import dflash_trainer.checkpoint as ck
 
     caplog.set_level("INFO")

@@ -90,7 +90,7 @@ def test_plan_candidates_pick_the_balanced_split() -> None:
 
 
 def test_plan_from_measured_h200_figures_picks_four_four(capsys) -> None:
-    """One H200 target: 8.8K tokens/s, one drafter: 10.3K (2026-12-01): 4:4 beats the seeds' 5:3."""
+    """One H200 target: 8.8K tokens/s, one drafter: 10.3K (docs/journal.md): 4:4 beats the seeds' 5:3."""
     from dflash_trainer.cli import main
 
     assert main(["plan", "8", "--figures", "8800", "10300"]) == 0

@@ -1,4 +1,4 @@
-"""The target forward's graph helpers (issue 17): the unpadded path equals `capture`, and on CUDA its replay
+"""The target forward's graph helpers: the unpadded path equals `capture`, and on CUDA its replay
 from a CUDA graph equals the eager forward."""
 
 import pytest
