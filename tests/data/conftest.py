@@ -57,7 +57,7 @@ def _deployed_matches_repo() -> bool:
 
 
 def converge_l4() -> subprocess.CompletedProcess[str]:
-    """ansible-playbook molecule/data-l4/converge.yml: L4 against the test bucket, output captured."""
+    """ansible-playbook molecule/l4-data/converge.yml: L4 against the test bucket, output captured."""
     env = {
         **os.environ,
         "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"),
@@ -65,7 +65,7 @@ def converge_l4() -> subprocess.CompletedProcess[str]:
         "ANSIBLE_NOCOLOR": "1",
     }
     return subprocess.run(
-        [str(REPO / ".venv/bin/ansible-playbook"), "-i", "inventory/lab", "molecule/data-l4/converge.yml"],
+        [str(REPO / ".venv/bin/ansible-playbook"), "-i", "inventory/lab", "molecule/l4-data/converge.yml"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -2,7 +2,7 @@
 
 Deterministic small shards and a tiny safetensors model, each prefix with its MANIFEST.json in the format of
 `dflash-train manifest DIR`. `python -m tests.data.s3data seed` makes or repairs them (prints `changed` or
-`ok`); the molecule scenario data-l4 and tests/data use them, so neither depends on the lab bucket's seed.
+`ok`); the molecule scenario l4-data and tests/data use them, so neither depends on the lab bucket's seed.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def pinned_kernel_runs(lab_host: str, layer_l1: str):
 def layer_l0() -> None:
     """L1's refusals are about L1's build: the host first gets L0 (the pinned kernel's headers) and L1's
     build tools (DKMS adds its kernel hooks to /etc/kernel, which the snapshot watches; L1 installs them once
-    a source is known good). No-ops when a provision or the host-layers scenario did this already: no test
+    a source is known good). No-ops when a provision or the l0-l1-host scenario did this already: no test
     depends on the order of the tests or of the suites."""
     if not lab_host_up():
         pytest.skip(f"{HOST} is not running: `make lab` builds it")

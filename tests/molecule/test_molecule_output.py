@@ -33,7 +33,7 @@ def run(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_scenario_run_logs_no_critical_glob_failure() -> None:
     """molecule looks for molecule/default on every run and logs CRITICAL when it is missing."""
-    proc = run(str(VENV_BIN / "molecule"), "syntax", "-s", "container-l2")
+    proc = run(str(VENV_BIN / "molecule"), "syntax", "-s", "l2-container")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "glob failed" not in out and "CRITICAL" not in out, out[-3000:]
