@@ -54,8 +54,8 @@ test: bootstrap lint test-unit lab ## everything CI runs: lint, unit tests, the 
 	$(TRAINER_PYTEST) -m "system and not gpu and not slow" trainer/tests
 	$(PY) -m pytest -q -m "not slow" tests/lab tests/molecule
 	scripts/molecule_all.sh
-	$(PY) -m pytest -q -m "not slow" tests/host tests/container tests/data tests/image tests/service
-	$(PY) -m pytest -q -m "not slow" tests/alerts
+	$(PY) -m pytest -q -m "not slow" tests/l0_l1_host tests/l2_container tests/l3_environment tests/l4_data tests/image tests/l5_service
+	$(PY) -m pytest -q -m "not slow" tests/l5_alerts
 	$(MAKE) --no-print-directory test-multinode
 
 # Root bootstraps (Debian packages, the venvs); another user runs the unit tests in the venvs root built.

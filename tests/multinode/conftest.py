@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.service import lab
+from tests.l5_service import lab
 
 CTS = ("lab-ct201", "lab-ct202")
 SHARED = "/mnt/dflash-shared"

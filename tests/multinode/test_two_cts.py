@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 import time
 
+from tests.l5_service import lab
 from tests.multinode.conftest import CHECKPOINTS, SHARED
-from tests.service import lab
 
 START_S = 300  # both units' preflight, imports and load on a contended 2-core machine
 

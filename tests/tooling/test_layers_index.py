@@ -231,7 +231,7 @@ layers:
     playbooks: [ansible/l0.yml]
     verify: [tests/verify/test_l0.py]
     molecule: [m0]
-    role_tests: [tests/host/**]
+    role_tests: [tests/l0_l1_host/**]
     runbook: [docs/host.md]
     inventory: [inventory/*/group_vars/all/k.yml]
   L1: *layer
@@ -253,7 +253,7 @@ FIXTURE_FILES = (
     "ansible/l0.yml",
     "tests/verify/test_l0.py",
     "molecule/m0/molecule.yml",
-    "tests/host/test_x.py",
+    "tests/l0_l1_host/test_x.py",
     "docs/host.md",
     "docs/measurements/2026-01-01/raw.log",
     "inventory/lab/group_vars/all/k.yml",

@@ -47,7 +47,8 @@ def needs_gpus(host, hostvars: dict[str, Any]) -> int:
     if running != kernel(hostvars) and not proxmox_host(host):
         pytest.skip(
             f"not a Proxmox host and running {running}, not the pinned {kernel(hostvars)}: no NVIDIA module"
-            " for the running kernel, no driver answers (tests/host/test_userspace.py imitates the boot)"
+            " for the running kernel, no driver answers"
+            " (tests/l0_l1_host/test_userspace.py imitates the boot)"
         )
     return count
 

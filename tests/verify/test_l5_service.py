@@ -94,7 +94,7 @@ def test_requires_the_model_staging(host, hostvars):
 
 def test_unit_runs_the_trainer_without_privileges(host):
     """What the unit asks systemd for; test_the_running_trainer_is_its_own_user_without_privileges
-    (tests/service/test_hardening.py) reads what the kernel enforces on the running ranks."""
+    (tests/l5_service/test_hardening.py) reads what the kernel enforces on the running ranks."""
     p = props(
         host,
         "User",

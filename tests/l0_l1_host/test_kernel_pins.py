@@ -1,0 +1,101 @@
+"""L0's pins must exist in the host's repositories: a kernel or headers package apt has no candidate for is
+refused by the preflight, in one line naming the host, the package and what apt has of the same series, before
+anything on the host changes (apt's lists aside). apt's lists are refreshed first when they are older than
+host_kernel_apt_cache_valid_time, so a pin that only newer lists have is not refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.l0_l1_host.boot_standin import build_deb, put, sh
+from tests.l0_l1_host.conftest import attach, playbook, snapshot
+
+L0 = "ansible/l0_host.yml"
+MISSING = "6.1.0-999-amd64"  # a Debian 12 kernel release that does not exist
+NEWER = "6.1.0-998-amd64"  # a release only the lab repository below has
+NEWER_PACKAGE = f"lab-pin-headers-{NEWER}"
+REPO_DIR = "/var/lib/lab-pins/repo"
+REPO_LIST = "/etc/apt/sources.list.d/lab-pins.list"
+REPO_LISTS_GLOB = "/var/lib/apt/lists/_var_lib_lab-pins_repo_*"
+
+
+def packages() -> str:
+    """The kernel packages dpkg knows and their selections (install, hold)."""
+    return attach(
+        "sh", "-c", "dpkg --get-selections 'linux-*' 'proxmox-*' 'lab-pin-*' 2>/dev/null; true"
+    ).stdout
+
+
+def refused(*extra: str) -> str:
+    proc = playbook(L0, *extra)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0, out[-2000:]
+    return out
+
+
+def empty_deb(name: str, version: str) -> bytes:
+    return build_deb(
+        f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
+        "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
+    )
+
+
+@pytest.fixture
+def newer_repository(lab_host: str) -> Iterator[None]:
+    """A repository whose package lab-host's apt lists do not know yet (a release since the last update)."""
+    deb = empty_deb(NEWER_PACKAGE, "1.0")
+    filename = f"{NEWER_PACKAGE}_1.0_all.deb"
+    index = (
+        f"Package: {NEWER_PACKAGE}\nVersion: 1.0\nArchitecture: all\nMaintainer: dflash lab <lab@localhost>\n"
+        f"Filename: ./{filename}\nSize: {len(deb)}\nSHA256: {hashlib.sha256(deb).hexdigest()}\n"
+        "Description: lab stand-in for a kernel package\n\n"
+    )
+    put(f"{REPO_DIR}/{filename}", deb)
+    put(f"{REPO_DIR}/Packages", index.encode())
+    put(REPO_LIST, f"deb [trusted=yes] file:{REPO_DIR} ./\n".encode())
+    try:
+        yield
+    finally:
+        sh(f"rm -rf /var/lib/lab-pins {REPO_LIST} {REPO_LISTS_GLOB}")
+
+
+def test_a_pin_apt_does_not_have_is_refused_naming_what_it_has(lab_host):
+    before = (snapshot(), packages())
+    out = refused(
+        "-e",
+        json.dumps({"host_kernel_version": MISSING, "host_kernel_packages": [f"linux-headers-{MISSING}"]}),
+    )
+    assert f"host lab-host: apt has no candidate for linux-headers-{MISSING}" in out, out[-2000:]
+    # lab-host's pin (inventory/lab) is the bookworm kernel ABI apt has; the refusal must offer it.
+    assert "(apt has of the 6.1 series: linux-headers-6.1.0-50-amd64" in out, out[-2000:]
+    assert "linux-headers-6.1.0-50-cloud-amd64" not in out, "offers another flavour than -amd64"
+    assert "nothing was changed" in out
+    assert (snapshot(), packages()) == before
+
+
+def test_stale_lists_are_refreshed_before_a_pin_is_refused(newer_repository):
+    """Lists younger than host_kernel_apt_cache_valid_time are trusted (no update: refused); older ones are
+    refreshed first, and then the pin that only the newer lists have passes the preflight."""
+    pin = {
+        "host_kernel_version": NEWER,
+        "host_kernel_packages": [NEWER_PACKAGE],
+        "host_kernel_dkms_expected": {},
+    }
+    sh("touch /var/lib/apt/lists")  # as fresh as an update that ran just now
+    out = refused("-e", json.dumps(pin), "--tags", "preflight")
+    assert f"apt has no candidate for {NEWER_PACKAGE} (apt has of the 6.1 series: none)" in out, out[-2000:]
+    time.sleep(2)
+    before = (
+        packages()
+    )  # the lab's other tests may change DKMS or units meanwhile: the packages are this play's
+    proc = playbook(
+        L0, "-e", json.dumps({**pin, "host_kernel_apt_cache_valid_time": 1}), "--tags", "preflight"
+    )
+    assert proc.returncode == 0, " ".join(proc.stdout.split())[-2000:]
+    assert "Candidate: 1.0" in sh(f"apt-cache policy {NEWER_PACKAGE}")
+    assert packages() == before
