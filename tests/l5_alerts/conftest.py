@@ -17,6 +17,7 @@ import pytest
 
 from lab import webhook_receiver
 from tests.l5_service import lab
+from tests.l5_service.conftest import firewall_play  # noqa: F401 (the firewall tests' runner, shared with L5's)
 
 RECEIVED = f"http://{webhook_receiver.HOST}:{webhook_receiver.PORT}/received"
 PYTHON = "/opt/dflash-svc-test/venv/bin/python"

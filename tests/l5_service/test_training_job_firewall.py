@@ -1,14 +1,12 @@
-"""roles/training_job's firewall rules for CT 200 (tasks/firewall.yml) against a private fakepve (the
-package's pytest fixture, not the lab's daemon): TCP in to the rendezvous port and the ranks' range, from the
-job's other CTs only, at the positions the role owns; a second run changes nothing. The token holds VM.Audit
-and VM.Config.Network on its CT alone, as a least-privilege token would (pve-firewall's guest rules need
-VM.Config.Network on /vms/VMID)."""
+"""roles/training_job's firewall rules for CT 200 (tasks/firewall.yml) against a private fakepve
+(conftest.py's firewall_play): TCP in to the rendezvous port and the ranks' range, from the job's other CTs
+only, at the positions the role owns; a second run changes nothing. The token holds VM.Audit and
+VM.Config.Network on its CT alone, as a least-privilege token would."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,68 +14,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
-PLAY = """
-- name: the job's firewall rules of each CT
-  hosts: training_job
-  connection: local
-  gather_facts: false
-  vars:
-    ansible_python_interpreter: "{{ ansible_playbook_python }}"
-  tasks:
-    - name: firewall
-      ansible.builtin.include_role:
-        name: training_job
-        tasks_from: firewall.yml
-"""
 
-
-def play(tmp: Path, pve) -> subprocess.CompletedProcess:
-    common = {
-        "pve_api_host": pve.host,
-        "pve_api_port": pve.port,
-        "pve_api_user": "dflash@pve",
-        "pve_api_token_id": "l2",
-        "pve_api_token_secret": "token-secret",
-        "pve_api_validate_certs": False,
-        "training_job_name": "job7",
-        "training_job_port": 29444,
-        "training_job_port_range": "29500 29999",
-    }
-    inventory = {
+def job_inventory() -> dict:
+    return {
         "training_cts": {"hosts": {"ct-a": {}, "ct-b": {}}},
         "training_job": {
-            "vars": common,
+            "vars": {
+                "training_job_name": "job7",
+                "training_job_port": 29444,
+                "training_job_port_range": "29500 29999",
+            },
             "hosts": {
                 "ct-a": {"ct_vmid": 200, "training_job_address": "10.30.0.21"},
                 "ct-b": {"ct_vmid": 201, "training_job_address": "10.30.0.22"},
             },
         },
     }
-    (tmp / "inv.json").write_text(json.dumps(inventory))
-    (tmp / "play.yml").write_text(PLAY)
-    env = os.environ | {
-        "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg"),
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "ANSIBLE_NOCOLOR": "1",
-    }
-    cmd = [str(BIN / "ansible-playbook"), "-i", str(tmp / "inv.json"), str(tmp / "play.yml")]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
 
 
-def changed(out: str) -> int:
-    return sum(int(n) for n in re.findall(r"changed=(\d+)", out.split("PLAY RECAP")[-1]))
-
-
-def test_the_job_ports_open_from_the_other_ct_only(tmp_path: Path, fakepve) -> None:
+def test_the_job_ports_open_from_the_other_ct_only(fakepve, firewall_play) -> None:
     fakepve.add_ct(200, name="ct200-a")
     fakepve.add_ct(201, name="ct200-b")
-    fakepve.apitokens["dflash@pve!l2"] = "token-secret"
-    for vmid in (200, 201):
-        fakepve.grant("dflash@pve!l2", f"/vms/{vmid}", "VM.Audit", "VM.Config.Network")
+    firewall_play.grant(200, 201)
 
-    first = play(tmp_path, fakepve)
+    first = firewall_play("training_job", "training_job", job_inventory())
     assert first.returncode == 0, first.stdout + first.stderr
-    assert changed(first.stdout) == 2, first.stdout
+    assert first.changed == 2, first.stdout
     for vmid, peer in ((200, "10.30.0.22"), (201, "10.30.0.21")):
         rules = fakepve.firewall_config("ct", "pve1", str(vmid))["rules"]  # in position order
         got = [(p, r["type"], r["action"], r["proto"], r["source"], r["dport"]) for p, r in enumerate(rules)]
@@ -87,9 +49,9 @@ def test_the_job_ports_open_from_the_other_ct_only(tmp_path: Path, fakepve) -> N
         ], rules
         assert all(int(r.get("enable", 0)) == 1 and "dflash job job7" in r["comment"] for r in rules)
 
-    second = play(tmp_path, fakepve)
+    second = firewall_play("training_job", "training_job", job_inventory())
     assert second.returncode == 0, second.stdout + second.stderr
-    assert changed(second.stdout) == 0, second.stdout
+    assert second.changed == 0, second.stdout
 
 
 PREFLIGHT = """
