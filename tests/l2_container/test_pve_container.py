@@ -149,8 +149,8 @@ def test_bad_token_is_one_clear_error(pve, play) -> None:
 
 
 def test_unreachable_api_is_one_clear_error(play) -> None:
-    """Issue 20: the cause was cut mid-word ("...: ess/ticket (Caused by NewConnectionError(...") and printed
-    twice. Now: one line naming the API and the whole cause."""
+    """An unreachable API is one line, printed once, naming the API and the whole cause, not a cut one
+    (docs/container-layers.md#how-l2-works, step 2)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens on it once closed
@@ -299,8 +299,9 @@ def test_shutdown_timeout_below_the_trainers_stop_timeout_is_refused(pve, play) 
 
 
 def test_a_restarted_api_keeps_the_template_and_the_ct(pve, play, tmp_path: Path, _fakepve_pki) -> None:
-    """Issue 20: after a restart of the lab's API the template was uploaded again. A real host keeps its
-    storage and /etc/pve; the lab's daemon keeps them in state.json, so L2 against it changes nothing."""
+    """A real host keeps its storage and /etc/pve across a restart of its API; the lab's daemon keeps them in
+    state.json, so L2 against a restarted one uploads no template and changes nothing
+    (docs/container-layers.md#how-l2-works)."""
 
     assert play().rc == 0
     state = tmp_path / "state.json"

@@ -107,7 +107,7 @@ def test_a_job_of_two_cts_and_a_ct_alone(tmp_path: Path) -> None:
         assert config["train"]["checkpoint_dir"] == "/mnt/shared/ckpt"
         assert config["topology"] == {"targets": 1, "drafters": 1}
 
-    # A CT outside the job: the one-host launch, as before this change.
+    # A CT outside the job: the one-host launch.
     unit, config = units["ct-alone"]
     assert line(unit, "ExecStart").endswith("launch --nproc-per-node 2 -- serve /etc/dflash/train.toml"), unit
     assert line(unit, "Description") == "Description=DFlash drafter training (2 rank(s))"

@@ -1,7 +1,7 @@
-"""Issue 16's fault: /dev/shm emptied without a reboot. The staging unit stays active (a oneshot that ran at
-boot), so only the trainer's own start can notice: its ExecStartPre runs dflash-stage-model with the settings
-of L4 and restages the model before the trainer loads it. Once, with the cause in the journal; no restart
-loop (the fault as first seen: 11 restarts, the staging unit never ran again).
+"""/dev/shm emptied without a reboot (docs/data-layer.md#how-the-pieces-behave). The staging unit stays active
+(a oneshot that ran at boot), so only the trainer's own start can notice: its ExecStartPre runs
+dflash-stage-model with the settings of L4 and restages the model before the trainer loads it. Once, with the
+cause in the journal: not a restart loop in which the staging unit never runs again.
 
 Runs against the lab as `make provision` leaves it (L4 and L5 converged here first, from this tree), moves
 the trainer's checkpoints aside for the run and puts them back, and leaves dflash-train as it found it.

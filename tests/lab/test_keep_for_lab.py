@@ -1,7 +1,7 @@
 """The lab keeps, under lab_dir, the archive each CT was made from, and a record pointing at it: the L2 role
 uploads that file and checks its size against the record. Two builds of one commit have the same name and
-different bytes (docs/image.md): a CT made after a rebuild was recorded against the earlier build's file,
-and the role refused it (`make test-multinode` after a second `make image`)."""
+different bytes (docs/image.md#output-name-and-volid), so each CT's record names the file of the build it was
+made from: a rebuild leaves the role's size check of an older CT passing."""
 
 from __future__ import annotations
 
@@ -59,9 +59,8 @@ def test_one_build_is_kept_once(tmp_path: Path) -> None:
 
 
 def test_the_containers_of_a_multinode_lab_keep_one_build_side_by_side(tmp_path: Path) -> None:
-    """`make lab` makes its CTs in threads (lab/cli.py), each keeping the same archive: two threads once
-    shared the partial file's name, one renamed it away under the other, and CI's `make test-multinode` died
-    on FileNotFoundError."""
+    """`make lab` makes its CTs in threads (lab/cli.py), each keeping the same archive: one thread at a time
+    keeps it, so none renames the partial file away under another (FileNotFoundError)."""
     lab_images = tmp_path / "lab" / "images"
     built = build(tmp_path / "a", b"one build" * 4096)
     start = threading.Barrier(8)
@@ -70,7 +69,7 @@ def test_the_containers_of_a_multinode_lab_keep_one_build_side_by_side(tmp_path:
         start.wait()
         return image.keep_for_lab(built, lab_images / f"lab-ct{200 + n}.json")
 
-    for _ in range(20):  # the race needs a few rounds to show without the fix
+    for _ in range(20):  # a race between the threads shows only in some rounds
         shutil.rmtree(lab_images, ignore_errors=True)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             kept = list(pool.map(keep, range(8)))

@@ -135,8 +135,8 @@ def test_seed_holds_no_mask_token_and_says_how_far_it_is(scratch_seed) -> None:
     assert size == seed.NUM_SHARDS * 64 * 64
     assert top < mask
     assert [line for line in stdout.splitlines() if "shard 4/4 written" in line]
-    # About 15 s on this 2-core machine under load (it was about 4 minutes as four CLI calls in batches of
-    # 16); the bound leaves room for a loaded machine and still catches a return to minutes.
+    # About 15 s on 2 cores under load; the bound leaves room for a loaded machine and fails a seed that
+    # takes minutes.
     assert seconds < 120, f"seeding took {seconds:.0f} s"
 
 

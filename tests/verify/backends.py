@@ -28,8 +28,8 @@ class LxcAttachBackend(base.BaseBackend):
 
 
 # lxc-attach re-executes itself from a sealed memfd before main() (liblxc src/lxc/rexec.c, a constructor; the
-# CVE-2019-5736 guard). On a loaded machine that step has failed with "Device or resource busy - Failed to
-# rexec as memfd" and aborted (exit 134): nothing ran in the container, so the command is started again.
+# CVE-2019-5736 guard). On a loaded machine that step can fail with "Device or resource busy - Failed to
+# rexec as memfd" and abort (exit 134): nothing ran in the container, so the command is started again.
 def rexec_failed(rc: int, stderr: str) -> bool:
     return rc == 134 and "Failed to rexec as memfd" in stderr
 

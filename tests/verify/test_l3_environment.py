@@ -109,9 +109,9 @@ print(len(stale), " ".join(sorted(stale)[:3]))
 
 
 def test_venv_holds_current_bytecode(host, hostvars: dict[str, Any]) -> None:
-    """Without current .pyc files every start of the unit compiles torch, transformers and FLA from source: on
-    an H200 host whose venv had none, the service's imports took 22-24 s of a warm restart, 10 s with them.
-    The CT image's bytecode was once all stale (mtimes clamped to SOURCE_DATE_EPOCH after compiling)."""
+    """Without current .pyc files every start of the unit compiles torch, transformers and FLA from source,
+    about 12 s of a warm restart (docs/container-layers.md#how-l3-works-and-when-an-l3-check-fails). Bytecode
+    is stale when its sources' mtimes changed after compiling (an image packed with clamped mtimes)."""
     v = venv(hostvars)
     out = host.run(f"{v}/bin/python - <<'EOF'\n{BYTECODE_CHECK}\nEOF")
     assert out.rc == 0, f"bytecode check failed: {out.stderr.strip().splitlines()[-1:]}"
