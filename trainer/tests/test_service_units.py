@@ -121,26 +121,3 @@ def test_process_start_time_counts_from_the_process_start():
         child.kill()
         child.wait()
     assert process_started() < before  # this test process started earlier still
-
-
-def test_the_leader_relay_ends_the_smoke_pause_through_control_on_relay() -> None:
-    """Several nodes: rank.py hands the drafter leader's hook the relay's beat and the job's stop-asked check
-    through Control.on_relay; a stop asked on another node ends the smoke run's pause."""
-    import threading
-    from types import SimpleNamespace
-
-    from dflash_trainer.service.serve import ServiceHooks
-
-    cfg = SimpleNamespace(
-        service=SimpleNamespace(status_every=5), train=SimpleNamespace(log_every=5, device="cpu")
-    )
-    hooks = ServiceHooks(cfg, Notifier({}), threading.Event(), [], pause_at=3)
-    beats: list[int] = []
-    hooks.attach_relay(lambda: beats.append(1), lambda: len(beats) >= 2)
-    m = SimpleNamespace(step=3, loss=5.0, lr=1e-3, grad_norm=1.0, anchor_accept=1.5, seq_tokens=64,
-                        tokens_per_s=640.0, eval={})  # fmt: skip
-    done = threading.Thread(target=hooks, args=(m,), daemon=True)
-    done.start()
-    done.join(timeout=10)
-    assert not done.is_alive(), "the pause did not end on the stop asked elsewhere"
-    assert len(beats) == 2  # the leader beat while paused, until the stop was asked

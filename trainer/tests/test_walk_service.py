@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from types import SimpleNamespace
 
 from dflash_trainer.service.notify import Notifier
@@ -51,7 +50,7 @@ def test_status_trackers_and_summary_carry_the_newest_walk(tmp_path, capsys) -> 
         service=SimpleNamespace(status_every=5), train=SimpleNamespace(log_every=5, device="cpu")
     )
     tracker = Recorder()
-    hooks = ServiceHooks(cfg, Notifier({"NOTIFY_SOCKET": path}), threading.Event(), [tracker], pause_at=None)
+    hooks = ServiceHooks(cfg, Notifier({"NOTIFY_SOCKET": path}), [tracker])
 
     def statuses() -> list[str]:
         out = []

@@ -97,7 +97,8 @@ class LoopConfig:
     compile: bool = False
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: capture without codegen
     # The target's layers compiled for the training forward only (model.target.CompiledCapture; the walk and
-    # the held-out figures stay eager), with compile_backend. Off until a GPU rehearsal has run it (issue 17).
+    # the held-out figures stay eager), with compile_backend. Off by default (the lab keeps the target eager
+    # on CPU); configs/reference.toml turns it on, and what that costs a start is in docs/trainer.md.
     target_compile: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -406,8 +406,9 @@ def check_devices(ctx: Context) -> str:
 def check_host_memory(ctx: Context) -> str:
     """Host RAM for the drafter leader's CPU side: the fp32 EMA, its pinned staging, and the checkpoint
     snapshot (fp32 weights and AdamW moments) when the GPU has no room to hold it. A rank killed by the OOM
-    killer in host RAM (the GPU rehearsal's run 2: 51 GB of target in /dev/shm beside it) says nothing
-    useful; this says it before anything loads. MemAvailable already leaves out /dev/shm's files."""
+    killer in host RAM (a target staged in /dev/shm takes tens of GB beside it: docs/gpu-rehearsal.md
+    "Runs") says nothing useful; this says it before anything loads. MemAvailable already leaves out
+    /dev/shm's files."""
     if ctx.facts.get("device") != "cuda" or "target" not in ctx.facts:
         raise Skipped("CUDA runs only (on the CPU the devices check counts host memory)")
     params = drafter_param_count(ctx.need_cfg())

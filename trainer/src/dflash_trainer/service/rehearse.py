@@ -3,8 +3,9 @@
 A GPU machine rehearses a real run in one command (scripts/gpu_rehearsal.sh wraps it): a random target of
 a published shape staged in /dev/shm with its manifest, random-token shards, then the entry points the unit
 runs, in its order: `preflight`, `launch -- serve` with --pause-at (phase 1: READY, steps, a periodic
-checkpoint, SIGTERM at the pause: a checkpoint and exit 0), `launch -- serve` again (phase 2: resumes at that
-step, runs to the end), `export` and `export --check`, then `smoke report` (the smoke summary, PASS or FAIL).
+checkpoint, the pause of service/pause.py, SIGTERM there: a checkpoint and exit 0), `launch -- serve` again
+(phase 2: resumes at that step, runs to the end), `export` and `export --check`, then `smoke report` (the
+smoke summary, PASS or FAIL).
 This process plays systemd's part: it owns the $NOTIFY_SOCKET the ranks send READY/STATUS/WATCHDOG to, sends
 SIGTERM to the launcher as `systemctl stop` would, and times every phase. Figures go to OUT/rehearsal.json.
 """
@@ -25,6 +26,8 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from dflash_trainer.service.pause import PAUSED
 
 REPO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "reference.toml"
 CLI = [sys.executable, "-m", "dflash_trainer.service"]
@@ -87,7 +90,8 @@ def meminfo() -> dict[str, float]:
 
 class HostMemory:
     """Samples host memory twice a second: the lowest MemAvailable of a phase shows how close the ranks came
-    to the OOM killer (run 2 of the rehearsal lost its rank to it, in host RAM, not on the GPU)."""
+    to the OOM killer in host RAM, where a rank dies without a word (docs/gpu-rehearsal.md "Runs": the
+    /dev/shm target, the pinned snapshot and the EMA share it)."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, dict[str, float]]] = []
@@ -174,7 +178,7 @@ def run_phase(
     pump = _pump(proc, log_path, ECHO)
     deadline = start + timeout
     if pause_at is not None:
-        while proc.poll() is None and not notify.status_with("paused", start) and time.time() < deadline:
+        while proc.poll() is None and not notify.status_with(PAUSED, start) and time.time() < deadline:
             time.sleep(0.2)
         if proc.poll() is None:
             term = time.time()

@@ -8,7 +8,8 @@ checkpoint; STATUS= (step, loss, tokens/s) and WATCHDOG=1 from the drafter leade
 every target through its receives and on every drafter through DDP, so a hang anywhere stops the ping);
 trackers behind SafeTracker on that rank only; SIGTERM on any rank -> the ranks agree on a stop step
 (distributed/stopping.py), the leader saves, every rank exits 0. Every start resumes from the newest
-checkpoint in train.checkpoint_dir."""
+checkpoint in train.checkpoint_dir. `--pause-at` (the smoke run's and the rehearsal's) wraps the step hook in
+service/pause.py's PauseAt; without it the hook has no pause."""
 
 from __future__ import annotations
 
@@ -22,26 +23,24 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_trainer import startup
 from dflash_trainer.logs import rank, setup_logging
 from dflash_trainer.service import compile_caches
 from dflash_trainer.service.notify import Heartbeat, Notifier
+from dflash_trainer.service.pause import PauseAt
 from dflash_trainer.service.process import die_with_launcher, process_started
 
 log = logging.getLogger("dflash_trainer.service")
 
 
 class ServiceHooks:
-    """The per-step hook: watchdog, STATUS, trackers, smoke bookkeeping, the smoke's pause point."""
+    """The per-step hook: watchdog, STATUS, trackers, the rank summary's bookkeeping."""
 
-    def __init__(
-        self, cfg, notifier: Notifier, stop: threading.Event, trackers, *, pause_at: int | None
-    ) -> None:
-        self.cfg, self.notifier, self.stop, self.trackers = cfg, notifier, stop, trackers
-        self.pause_at = pause_at
+    def __init__(self, cfg, notifier: Notifier, trackers) -> None:
+        self.cfg, self.notifier, self.trackers = cfg, notifier, trackers
         self.ready = False
         self.started = process_started()
         self.first_step_at: float | None = None
@@ -52,14 +51,7 @@ class ServiceHooks:
         self.busy_s = 0.0
         self.last = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
-        # Several nodes, the drafter leader: tells the other nodes' units it is alive (distributed/rank.py).
-        self.beat: Callable[[], None] | None = None
-        self.stop_asked: Callable[[], bool] | None = None  # a stop asked on any node ends the smoke's pause
         self._relayed: int | None = None
-
-    def attach_relay(self, beat: Callable[[], None], stop_asked: Callable[[], bool]) -> None:
-        """Several nodes, the drafter leader (distributed/rank.py's Control.on_relay)."""
-        self.beat, self.stop_asked = beat, stop_asked
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -110,16 +102,6 @@ class ServiceHooks:
             } | {f"eval/{k}": v for k, v in (m.eval or {}).items()}
             for tracker in self.trackers:
                 tracker.log(m.step, values)
-        if self.pause_at is not None and m.step == self.pause_at:
-            self.notifier.status(f"step {m.step}: paused for the smoke run's stop")
-            log.info("paused at step %d until stopped (smoke run)", m.step)
-            every = max(0.2, (self.notifier.watchdog_s or 2.0) / 4)
-            while not self.stop.wait(every if self.stop_asked is None else min(every, 1.0)):
-                self.notifier.watchdog(force=True)
-                if self.beat is not None:
-                    self.beat()
-                if self.stop_asked is not None and self.stop_asked():
-                    break  # the ranks agree on the stop step at the next step start (stopping.py)
 
     def relay(self, step: int) -> None:
         """Several nodes, a node speaker other than the leader: the leader beat (finished a step, or waits
@@ -190,8 +172,11 @@ def node_speaker(speaker: int) -> bool:
     return os.environ.get("LOCAL_RANK") == "0" and rank() // per_node != speaker // per_node
 
 
-def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None) -> None:
-    """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job)."""
+def serve_pipeline(
+    cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None, pause: PauseAt | None
+) -> None:
+    """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job).
+    `pause` (--pause-at) wraps the step hook and takes the relay (a stop asked on any node ends it)."""
     from dflash_trainer.distributed.rank import Control, RankOptions, run_rank
 
     options = RankOptions(
@@ -201,10 +186,10 @@ def serve_pipeline(cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max
     control = Control(
         stop=stop,
         on_ready=hooks.on_ready,
-        on_step=hooks,
+        on_step=pause or hooks,
         on_progress=relay,
         progress=Heartbeat(hooks.notifier),
-        on_relay=hooks.attach_relay,
+        on_relay=pause.attach_relay if pause is not None else None,
     )
     run_rank(cfg, options, control, topo=topo)
 
@@ -213,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-train serve", description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--max-steps", type=int, default=None, help="stop (and save) at this step")
-    parser.add_argument("--pause-at", type=int, default=None, help="smoke: wait at this step until SIGTERM")
+    parser.add_argument(
+        "--pause-at", type=int, default=None, help="smoke run, rehearsal: wait at this step until stopped"
+    )
     parser.add_argument("--summary", type=Path, default=None, help="write DIR/summary-rank<R>.json at exit")
     args = parser.parse_args(argv)
 
@@ -265,15 +252,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     startup.record("interpreter, imports, configuration", time.time() - process_started())
     with startup.phase("trackers"):
         trackers = start_trackers(cfg) if rank() == speaker else []
-    hooks = ServiceHooks(cfg, notifier, stop, trackers, pause_at=args.pause_at)
+    hooks = ServiceHooks(cfg, notifier, trackers)
     hooks_box.append(hooks)
+    pause = PauseAt(hooks, args.pause_at, notifier, stop) if args.pause_at is not None else None
     notifier.status("loading target, drafter, data and the newest checkpoint")
     from dflash_trainer.checkpoint import CheckpointError
 
     code = 0
     try:
         if pipeline:
-            serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps)
+            serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
             step = hooks.last.step if hooks.last else None
             how = "stopped" if stop.is_set() else "finished"
             if step is not None:  # the drafter leader: the one that saved
@@ -287,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = train(
                 cfg,
                 max_steps=args.max_steps,
-                hooks=[hooks],
+                hooks=[pause or hooks],
                 stop=stop,
                 on_ready=hooks.on_ready,
                 progress=Heartbeat(notifier),
