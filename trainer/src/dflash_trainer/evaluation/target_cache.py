@@ -96,7 +96,7 @@ recorder = _DeltaRuleRecorder()
 
 def graph_refusal(model: nn.Module) -> str | None:
     """Why the verify forward of `model` cannot run over a static cache and a CUDA graph; None when it can."""
-    config = model.config
+    config: Any = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return f"attention {getattr(config, '_attn_implementation', None)!r} is not sdpa"
     if getattr(config, "num_experts", 0):
@@ -112,6 +112,13 @@ class _VerifyOutput:
     hidden_states: tuple[torch.Tensor, ...]
 
 
+def _first(out: _VerifyOutput, size: int) -> _VerifyOutput:
+    """The verify output of a block's first `size` positions (views)."""
+    if out.logits.shape[1] == size:
+        return out
+    return _VerifyOutput(out.logits[:, :size], tuple(h[:, :size] for h in out.hidden_states))
+
+
 class TargetCache:
     """The target's KV cache for one walk (every prompt in turn) with an exact rollback for attention and
     Gated DeltaNet layers."""
@@ -125,9 +132,11 @@ class TargetCache:
         max_len: int = 0,
         block_size: int = 0,
     ) -> None:
-        self.model = model
+        lm: Any = model  # a transformers causal LM (typed loosely: nn.Module hides its methods)
+        self.model = lm
+        self.config: Any = self.model.config
         self.rollback_mode = rollback
-        device = model.get_input_embeddings().weight.device
+        device = self.model.get_input_embeddings().weight.device
         if kind != "dynamic" and (graph_refusal(model) is not None or max_len < 1 or block_size < 1):
             kind = "dynamic"
         if kind == "graph" and device.type != "cuda":
@@ -143,10 +152,13 @@ class TargetCache:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: _VerifyOutput | None = None
         self._warmed = False
+        self._verified = 0  # tokens the last verify forward ran (a padded block's included)
+        self._redo_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the recorded rollback by kept length
+        self._redo_seen: set[int] = set()
         if kind == "dynamic":
-            self._new_cache(DynamicCache(config=model.config))
+            self._new_cache(DynamicCache(config=self.config))
             return
-        self._new_cache(StaticCache(config=model.config, max_cache_len=max_len))
+        self._new_cache(StaticCache(config=self.config, max_cache_len=max_len))
         # The static verify's inputs: token ids, positions and the attention mask, filled before each verify.
         self._ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
         self._positions = torch.zeros(1, block_size, dtype=torch.long, device=device)
@@ -161,13 +173,12 @@ class TargetCache:
         layers = cache.layers
         if any(isinstance(layer, DynamicSlidingWindowLayer | StaticSlidingWindowLayer) for layer in layers):
             raise ValueError("the decode walk cannot roll back a sliding-window target cache")
-        self.linear = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        self.attention = [layer for layer in layers if isinstance(layer, DynamicLayer | StaticLayer)]
+        linear, attention = LinearAttentionCacheLayerMixin, DynamicLayer | StaticLayer
+        self.linear: list[Any] = [layer for layer in layers if isinstance(layer, linear)]
+        self.attention: list[Any] = [layer for layer in layers if isinstance(layer, attention)]
         if self.rollback_mode == "recorded":
             for layer in self.linear:  # this cache's own layers: an instance attribute shadows the method
-                layer.update_conv_state = self._conv_recorder(  # type: ignore[method-assign]
-                    layer, layer.update_conv_state
-                )
+                layer.update_conv_state = self._conv_recorder(layer, layer.update_conv_state)
 
     def _conv_recorder(self, layer: Any, update: Callable[..., Any]) -> Callable[..., Any]:
         def record(conv_states: torch.Tensor, state_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
@@ -181,26 +192,34 @@ class TargetCache:
         """A new prompt: the cache emptied, then the prompt's forward (its last token's logits)."""
         if self.kind == "dynamic":
             if self.length:
-                self._new_cache(DynamicCache(config=self.model.config))
+                self._new_cache(DynamicCache(config=self.config))
         else:
             self.cache.reset()
         self.length = 0
         return self.forward(ids, logits_to_keep=1)
 
     def verify(self, block: torch.Tensor) -> Any:
-        """The verify forward of a drafted block, with what a rollback needs kept (hybrid targets)."""
+        """The verify forward of a drafted block, with what a rollback needs kept (hybrid targets).
+
+        Over a static cache a shorter block (a prompt's last) is padded to the block size: every layer is
+        causal, so its own positions' logits and features are those of the short forward; the padding's
+        cache entries are dropped by the rollback like a rejected draft's."""
+        size = block.shape[1]
+        static = self.kind != "dynamic" and size <= self.block_size
+        if static and size < self.block_size:
+            block = torch.nn.functional.pad(block, (0, self.block_size - size))
+        self._verified = block.shape[1]
         if self.linear:
             self.snapshot()
-        static = self.kind != "dynamic" and block.shape[1] == self.block_size
         record = bool(self.linear) and self.rollback_mode == "recorded"
         if static and self.kind == "graph" and self._warmed:
-            return self._graph_verify(block, record)  # records once, at its capture
+            return _first(self._graph_verify(block, record), size)  # records once, at its capture
         if record:
             self._conv_inputs, self._calls = {}, []
         with self._recorded() if record else contextlib.nullcontext():
             out = self._static_verify(block) if static else self.forward(block)
         self._warmed |= static  # kernels (Triton autotuning, cuBLAS) ran once before a capture
-        return out
+        return _first(_VerifyOutput(out.logits, tuple(out.hidden_states)), size)
 
     @contextlib.contextmanager
     def _recorded(self) -> Iterator[None]:
@@ -275,21 +294,35 @@ class TargetCache:
         self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
 
     def snapshot(self) -> None:
-        """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting."""
-        self._saved = [
-            (
-                {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
-                {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
-                dict(layer.has_previous_state),
-            )
-            for layer in self.linear
-        ]
+        """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting. The
+        copies keep their buffers from one verify to the next (a rollback graph reads them in place)."""
+        if [len(conv) for conv, _rec, _prev in self._saved] != [
+            sum(s is not None for s in layer.conv_states.values()) for layer in self.linear
+        ]:
+            self._saved = [
+                (
+                    {i: torch.empty_like(s) for i, s in layer.conv_states.items() if s is not None},
+                    {i: torch.empty_like(s) for i, s in layer.recurrent_states.items() if s is not None},
+                    {},
+                )
+                for layer in self.linear
+            ]
+            self._redo_graphs.clear()
+            self._redo_seen.clear()
+        for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
+            for i, s in conv.items():
+                s.copy_(layer.conv_states[i])
+            for i, s in rec.items():
+                s.copy_(layer.recurrent_states[i])
+            prev.clear()
+            prev.update(layer.has_previous_state)
 
     def _cut_attention(self, length: int) -> None:
         for layer in self.attention:
             if not layer.is_initialized:
                 continue
-            if isinstance(layer, StaticLayer):  # positions past `length` are masked and overwritten later
+            static = isinstance(layer, StaticLayer)  # (no narrowing: its write position is a tensor)
+            if static:  # positions past `length` are masked and overwritten later
                 layer.cumulative_length.fill_(length)
             elif layer.get_seq_length() > length:
                 layer.keys = layer.keys[..., :length, :]
@@ -297,7 +330,7 @@ class TargetCache:
 
     def rollback(self, start: int, keep: int, tokens: torch.Tensor) -> None:
         """After a verify of `tokens` from position `start`: keep its first `keep` tokens, drop the rest."""
-        if keep == tokens.shape[1]:
+        if keep == self._verified:
             return
         if not self.linear:
             self._cut_attention(start + keep)
@@ -305,7 +338,7 @@ class TargetCache:
             return
         if self._recorded_complete():
             self._cut_attention(start + keep)
-            self._redo_linear_states(keep)
+            self._redo(keep)
             self.length = start + keep
             return
         # A recurrent state after `keep` of the block's tokens never existed: restore the state before the
@@ -329,6 +362,26 @@ class TargetCache:
             and all(id(layer) in self._conv_inputs for layer in self.linear)
             and all(len(conv) == 1 and len(rec) == 1 for conv, rec, _prev in self._saved)
         )
+
+    def _redo(self, keep: int) -> None:
+        """The recorded rollback; after a graphed verify, from one CUDA graph per kept length (its first
+        time eagerly: FLA's recurrent kernel compiles then). Its inputs (the verify graph's recorded
+        tensors, the snapshot buffers) and outputs (the cache's states) keep their addresses."""
+        if self._graph is None:
+            self._redo_linear_states(keep)
+            return
+        graph = self._redo_graphs.get(keep)
+        if graph is None:
+            if keep not in self._redo_seen:
+                self._redo_seen.add(keep)
+                self._redo_linear_states(keep)
+                return
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._redo_linear_states(keep)
+            self._redo_graphs[keep] = graph
+        graph.replay()
 
     def _redo_linear_states(self, keep: int) -> None:
         """Each linear layer's states after the block's first `keep` tokens, from its states before the block

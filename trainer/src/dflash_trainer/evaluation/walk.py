@@ -243,7 +243,7 @@ def decode_walk(
             model,
             settings.rollback,
             kind=settings.cache,
-            max_len=max(p.numel() for p in prompts) + settings.max_new_tokens + 1,
+            max_len=max(p.numel() for p in prompts) + settings.max_new_tokens + block_size,
             block_size=block_size,
         )
         # Layers compiled in place for training (train.compile) would recompile for every context length.
