@@ -9,3 +9,21 @@ def test_the_share_is_of_training_and_evaluation_together() -> None:
 
 def test_without_training_time_only_the_seconds_are_said() -> None:
     assert eval_share(3.25, 0.0) == "3.2 s"
+
+
+def test_first_rows_takes_the_first_rows_of_the_held_out_batches() -> None:
+    import torch
+
+    from dflash_trainer.data.batch import Batch
+    from dflash_trainer.evaluation.held_out import first_rows
+
+    def batch(start: int, rows: int) -> Batch:
+        ids = torch.arange(start, start + rows)[:, None].repeat(1, 3)
+        return Batch(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+
+    batches = [batch(0, 2), batch(2, 2), batch(4, 2)]
+    assert first_rows(batches, 0) == batches
+    kept = first_rows(batches, 3)
+    assert [b.input_ids[:, 0].tolist() for b in kept] == [[0, 1], [2]]
+    assert all(b.attention_mask.shape == b.input_ids.shape for b in kept)
+    assert sum(b.input_ids.shape[0] for b in first_rows(batches, 100)) == 6

@@ -88,6 +88,9 @@ class LoopConfig:
     ema_decay: float = 0.999
     ema_every: int = 10
     eval_every: int = 500  # 0: never
+    # Held-out rows scored per evaluation (loss, anchor_accept, acc_k): the first ones, the same every time;
+    # 0: every held-out row. Each row is a target forward of up to seq_len tokens.
+    eval_rows: int = 0
     # The decode walk at each evaluation (evaluation/walk.py): real speculative decoding of held-out prompts.
     eval_walk_prompts: int = 8  # up to this many held-out rows' prompts are walked; 0: no walk
     eval_walk_new_tokens: int = 128  # tokens generated per prompt
@@ -335,6 +338,7 @@ def _validate_self(cfg: TrainConfig) -> None:
     _at_least("train.loss_chunk", t.loss_chunk, d.block_size)
     if t.eval_every and data.held_out == 0:
         raise ConfigError("data.held_out", "must be > 0 when train.eval_every is set (evaluation needs rows)")
+    _at_least("train.eval_rows", t.eval_rows, 0)
     _at_least("train.eval_walk_prompts", t.eval_walk_prompts, 0)
     _at_least("train.eval_walk_new_tokens", t.eval_walk_new_tokens, 1)
     _at_least("train.eval_walk_prompt_len", t.eval_walk_prompt_len, 1)

@@ -44,6 +44,21 @@ class EvalResult:
         return figures
 
 
+def first_rows(batches: Sequence[Batch], rows: int) -> list[Batch]:
+    """The held-out batches that hold the first `rows` rows (the last one cut); every batch when rows is 0."""
+    if rows == 0:
+        return list(batches)
+    kept: list[Batch] = []
+    for b in batches:
+        left = rows - sum(k.input_ids.shape[0] for k in kept)
+        if left <= 0:
+            break
+        if b.input_ids.shape[0] > left:
+            b = Batch(b.input_ids[:left], b.attention_mask[:left], b.loss_mask[:left])
+        kept.append(b)
+    return kept
+
+
 def walk_prompts(batches: Sequence[Batch], num: int, max_len: int) -> list[torch.Tensor]:
     """The decode walk's fixed prompts: the prompts of the first `num` held-out rows that have one."""
     prompts: list[torch.Tensor] = []

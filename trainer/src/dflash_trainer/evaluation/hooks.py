@@ -12,7 +12,7 @@ from torch import nn
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch
-from dflash_trainer.evaluation.held_out import evaluate, walk_prompts
+from dflash_trainer.evaluation.held_out import evaluate, first_rows, walk_prompts
 from dflash_trainer.evaluation.walk import WalkSettings, decode_walk, stop_token_ids
 from dflash_trainer.runtime import autocast, objective_config
 
@@ -37,7 +37,8 @@ EvalHook = Callable[[EvalContext], dict[str, float]]
 def held_out_figures(ctx: EvalContext) -> dict[str, float]:
     """Token-weighted held-out loss, per-anchor acceptance (`anchor_accept`) and per-position accuracy."""
     with autocast(ctx.cfg, ctx.device):  # the drafter is in eval mode (TargetSide.evaluate)
-        result = evaluate(ctx.drafter, ctx.target, ctx.held_out, objective_config(ctx.cfg))
+        rows = first_rows(ctx.held_out, ctx.cfg.train.eval_rows)
+        result = evaluate(ctx.drafter, ctx.target, rows, objective_config(ctx.cfg))
     return result.as_dict()
 
 
