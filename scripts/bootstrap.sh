@@ -105,7 +105,7 @@ build_trainer_venv() {  # exactly what CT 200 runs, plus the test clients
       || die "pip could not install $TRAINER_LOCK into $TRAINER_VENV"
     pip_install "$TRAINER_VENV" --require-hashes --no-deps --requirement="$NODEPS_LOCK" \
       || die "pip could not install $NODEPS_LOCK"
-    # The trainer itself from this tree, editable (the tests run the tree; tests/service reads its .pth), so it
+    # The trainer itself from this tree, editable (the tests run the tree; tests/l5_service reads its .pth), so it
     # has no file to hash: built offline by the setuptools the trainer lock just installed with its hash, with no
     # build isolation (which would fetch an unchecked setuptools). L3 and the image install a hashed wheel.
     pip_q "$TRAINER_VENV" install --no-deps --no-index --no-build-isolation -e "$ROOT/trainer" \
