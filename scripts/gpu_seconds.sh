@@ -32,7 +32,7 @@ start)
     if want walk; then
       echo "=== decode walk: CUDA graph over a static cache against the eager dynamic cache ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-1}" \
-        --new-tokens "${WALK_TOKENS:-24}" --profile 3 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
+        --new-tokens "${WALK_TOKENS:-64}" --profile 8 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
     fi
     if want gputests; then
       echo "=== GPU tests ($(date -u +%T))"

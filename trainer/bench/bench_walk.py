@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -43,7 +44,7 @@ def sync() -> None:
 
 
 @contextmanager
-def phase_timers(totals: dict[str, float], counts: dict[str, int]) -> Iterator[None]:
+def phase_timers(calls: dict[str, list[float]]) -> Iterator[None]:
     """Wraps the walk's phases with synchronised timers (restored on exit)."""
     cache = target_cache.TargetCache
     methods = ("prefill", "verify", "rollback", "snapshot")
@@ -56,8 +57,7 @@ def phase_timers(totals: dict[str, float], counts: dict[str, int]) -> Iterator[N
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             sync()
-            totals[name] += time.perf_counter() - t0
-            counts[name] += 1
+            calls[name].append(time.perf_counter() - t0)
             return out
 
         return run
@@ -134,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants:  # side by side, in one process
             settings = _settings(variant, args.new_tokens)
             plain = walk.decode_walk(model, drafter, prompts[1:], settings)
-            totals: dict[str, float] = defaultdict(float)
-            counts: dict[str, int] = defaultdict(int)
-            with phase_timers(totals, counts):
+            calls: dict[str, list[float]] = defaultdict(list)
+            with phase_timers(calls):
                 timed = walk.decode_walk(model, drafter, prompts[1:], settings)
             per_step = plain.seconds / max(1, plain.steps)
             result["variants"][variant] = {
@@ -146,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
                 "ms_per_verify_step": per_step * 1000,
                 "tau": plain.tau,
                 "output_ids": [w.output_ids[0, -args.new_tokens :].tolist() for w in plain.walks],
-                "phases_s": dict(totals),
-                "phase_calls": dict(counts),
+                "phases_s": {name: sum(c) for name, c in calls.items()},
+                "phase_calls": {name: len(c) for name, c in calls.items()},
+                # the steady state: the first verify runs eagerly and the second captures the graph
+                "phase_median_ms": {name: 1000 * statistics.median(c) for name, c in calls.items()},
                 "timed_walk_s": timed.seconds,
             }
             print(f"decode walk, {variant} (ran {plain.cache}): {per_step * 1000:.1f} ms per verify step "
-                  f"({plain.steps} steps, tau {plain.tau:.2f}); phases {dict(totals)}")  # fmt: skip
+                  f"({plain.steps} steps, tau {plain.tau:.2f}); median ms per call "
+                  f"{ {n: round(1000 * statistics.median(c), 1) for n, c in calls.items()} }")  # fmt: skip
         outputs = {v: r.pop("output_ids") for v, r in result["variants"].items()}
         result["same_output"] = len({json.dumps(o) for o in outputs.values()}) == 1
         table = None
