@@ -228,4 +228,4 @@ def test_a_rank_refuses_a_topology_for_another_world(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="the topology given has 3 ranks, the launched world 2"):
-        run_rank(None, RankOptions(cpu=True), topo=Topology(2, 1))
+        run_rank(None, RankOptions(cpu=True), None, Topology(2, 1))

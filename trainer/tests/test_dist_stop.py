@@ -75,7 +75,13 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
     )  # fmt: skip
     import logging
 
-    from dflash_trainer.distributed.rank import Control, build_parser, options_from_args, run_rank
+    from dflash_trainer.distributed.rank import (
+        Control,
+        build_parser,
+        command_line_topology,
+        options_from_args,
+        run_rank,
+    )
 
     logging.basicConfig(level=logging.INFO, format=f"rank {local_rank}: %(message)s")
     stop = threading.Event()
@@ -84,8 +90,9 @@ def _stop_worker(local_rank: int, argv: list[str], world: int, port: int, stop_r
         if local_rank in stop_ranks:  # "SIGTERM" a moment into the run
             threading.Timer(0.5 + 0.1 * local_rank, stop.set).start()
 
-    options = options_from_args(build_parser().parse_args(argv))
-    if run_rank(None, options, Control(stop=stop, on_ready=on_ready, on_step=None)):
+    args = build_parser().parse_args(argv)
+    control = Control(stop=stop, on_ready=on_ready, on_step=None)
+    if run_rank(None, options_from_args(args), control, topo=command_line_topology(args, None, world)):
         raise SystemExit(1)
 
 

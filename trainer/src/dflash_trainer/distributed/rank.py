@@ -1,6 +1,7 @@
 """Every rank of the pipeline: `torchrun ... -m dflash_trainer.distributed.rank CONFIG [options]`, or
-`run_rank(cfg, options, control)` from `dflash-train serve` (service/serve.py), with the configuration object
-that rank already loaded and validated: it is loaded once per rank and never rebuilt from argv.
+`run_rank(cfg, options, control, topo=...)` from `dflash-train serve` (service/serve.py), with the
+configuration object that rank already loaded and validated and its [topology] resolved for the world: both
+once per rank, never rebuilt from argv.
 
 Sets up the process groups, takes the rank's role, builds its side of the run (TargetSide of
 train/target_side.py on target ranks, DrafterSide of train/drafter_side.py on drafter ranks), agrees on where
@@ -65,8 +66,6 @@ class RankOptions:
 
     synthetic: bool = False  # the model-free stand-in workload (CI)
     bench: str | None = None  # random models of a bench size
-    targets: Count | None = None  # override [topology]
-    drafters: Count | None = None
     steps: int | None = None  # the horizon in drafter steps (bench, synthetic; default: the config's)
     max_steps: int | None = None  # stop (and save) at this optimizer step; the schedule keeps its horizon
     resume: bool = False
@@ -265,19 +264,20 @@ def _build_dflash(
     progress: Callable[[str], None] | None = None,
 ) -> Built:
     """This rank's side of the run, resumed where the drafter leader's newest checkpoint says."""
+    from dflash_trainer.checkpoint import latest_checkpoint
     from dflash_trainer.distributed.transport import WireFormat
     from dflash_trainer.fixtures.bench import setup_from_bench
-    from dflash_trainer.train.drafter_side import DrafterSide, find_resume
+    from dflash_trainer.train.drafter_side import DrafterSide
     from dflash_trainer.train.schedule import Horizon, Position, horizon
     from dflash_trainer.train.setup import head_only, setup_from_config
     from dflash_trainer.train.target_side import EvalExchange, TargetSide, eval_replica
 
     if opts.bench:
         setup = setup_from_bench(opts.bench, device, opts.steps or 20)
+        cfg = setup.cfg  # the bench size's own configuration
     else:
         assert cfg is not None
         setup = setup_from_config(cfg, device)
-    cfg = setup.cfg
     hz = Horizon(opts.steps, "steps") if opts.steps else horizon(cfg, setup.num_rows)
     role, index, m = topo.role(rank), topo.index(rank), topo.num_drafters
     leader = topo.drafter_ranks[0]
@@ -292,16 +292,17 @@ def _build_dflash(
         )  # fmt: skip
     wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
 
+    checkpoint_dir = cfg.train.checkpoint_dir
     if nodes() > 1 and not opts.bench:  # the leader's checkpoints must reach a leader on any node
         from dflash_trainer.distributed.shared_dir import check_shared
 
         key = "train.checkpoint_dir"
-        check_shared(Path(cfg.train.checkpoint_dir), key, rank, leader, groups["gloo"], groups["me"])
+        check_shared(checkpoint_dir, key, rank, leader, groups["gloo"], groups["me"])
 
     # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
     box: list[Any] = [None]
     if opts.resume and not opts.bench and rank == leader:
-        path = find_resume(cfg)
+        path = latest_checkpoint(checkpoint_dir)
         if path is not None:
             box[0] = (str(path), work.resume(path))
     dist.broadcast_object_list(box, src=leader, group=groups["gloo"])
@@ -319,9 +320,8 @@ def _build_dflash(
         work.offset = offset
     built = Built(work, wire, first, end)
 
-    evaluating = bool(cfg.train.eval_every) and not opts.bench
-    if evaluating:
-        exchange = EvalExchange(groups["store"](), groups["eval"], leader, offset, cfg, m)
+    if "eval" in groups:  # _run_role made the evaluation's group: this run evaluates
+        exchange = EvalExchange(groups["store"](), groups["eval"], leader, offset, cfg.train.eval_every, m)
         if rank == leader:
             work.exchange = exchange
         elif rank == topo.target_ranks[0]:
@@ -342,12 +342,6 @@ def _build_dflash(
     return built
 
 
-def _topology(cfg: TrainConfig | None, opts: RankOptions, world: int) -> Topology:
-    targets: Count = opts.targets or (cfg.topology.targets if cfg is not None else "auto")
-    drafters: Count = opts.drafters or (cfg.topology.drafters if cfg is not None else "auto")
-    return resolve_topology(world, targets, drafters)
-
-
 def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
     print(summary_table(summaries), flush=True)
     if opts.timeline:
@@ -365,18 +359,14 @@ def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
         opts.metrics_out.write_text(json.dumps(data, indent=1))
 
 
-def run_rank(
-    cfg: TrainConfig | None, opts: RankOptions, control: Control | None = None, topo: Topology | None = None
-) -> int:
+def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None, topo: Topology) -> int:
     """This rank of the job, under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
-    topo: the caller's resolution of [topology] for this world (the service resolves it once, to find its
-    leader); None: resolved here from cfg and the options' overrides."""
+    control: the service's (None: a plain torchrun launch). topo: [topology] resolved for this world once, by
+    whoever started the rank (the service, to find its leader; `main`, with the command line's overrides)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, backend = _device(opts.cpu)
-    if topo is None:
-        topo = _topology(cfg, opts, world)
-    elif topo.world_size != world:
+    if topo.world_size != world:
         raise ValueError(f"the topology given has {topo.world_size} ranks, the launched world {world}")
     role = topo.role(rank)
     host = socket.gethostname()
@@ -518,6 +508,13 @@ def _run_role(
     return 0
 
 
+def command_line_topology(args: argparse.Namespace, cfg: TrainConfig | None, world: int) -> Topology:
+    """[topology] for this world: --targets and --drafters over the config's ("auto" without either)."""
+    targets: Count = args.targets or (cfg.topology.targets if cfg is not None else "auto")
+    drafters: Count = args.drafters or (cfg.topology.drafters if cfg is not None else "auto")
+    return resolve_topology(world, targets, drafters)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -528,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_trainer.config import load_config
 
         cfg = load_config(args.config)  # once; every part of this rank gets the object
-    return run_rank(cfg, options_from_args(args))
+    topo = command_line_topology(args, cfg, int(os.environ["WORLD_SIZE"]))
+    return run_rank(cfg, options_from_args(args), None, topo)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,7 @@ import torch
 from torch import nn
 
 from dflash_trainer import startup
-from dflash_trainer.checkpoint import (
-    AsyncCheckpointer,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    set_rng_state,
-)
+from dflash_trainer.checkpoint import AsyncCheckpointer, load_checkpoint, rng_state, set_rng_state
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.objective import dflash_loss
@@ -285,7 +279,3 @@ class DrafterSide:
             "param_sum": float(param_sum),
             "checkpoint": str(path) if path else None,
         }
-
-
-def find_resume(cfg: TrainConfig) -> Path | None:
-    return latest_checkpoint(cfg.train.checkpoint_dir)

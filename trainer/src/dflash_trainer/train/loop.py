@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from dflash_trainer import startup
+from dflash_trainer.checkpoint import latest_checkpoint
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.device_memory import gpu_memory
 from dflash_trainer.runtime import resolve_device
-from dflash_trainer.train.drafter_side import DrafterSide, StepMetrics, find_resume
+from dflash_trainer.train.drafter_side import DrafterSide, StepMetrics
 from dflash_trainer.train.schedule import Position, eval_due, horizon
 from dflash_trainer.train.setup import setup_from_config
 from dflash_trainer.train.target_side import TargetSide
@@ -65,7 +66,7 @@ class Run:
         self.position = Position()
 
     def resume(self) -> Path | None:
-        path = find_resume(self.cfg)
+        path = latest_checkpoint(self.cfg.train.checkpoint_dir)
         if path is not None:
             self.position = self.drafter.resume(path)
         return path
@@ -89,7 +90,7 @@ class Run:
             self.drafter.step(p, p, batch)
             m = self.drafter.last
             assert m is not None
-            if eval_due(m.step, self.cfg):
+            if eval_due(m.step, self.cfg.train.eval_every):
                 m.eval = self.evaluate()
             now = time.perf_counter()
             m.tokens_per_s = m.seq_tokens / (now - last) if now > last else 0.0

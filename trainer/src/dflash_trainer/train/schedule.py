@@ -84,5 +84,6 @@ class Position:
         return first, end, self.step - first
 
 
-def eval_due(optimizer_step: int, cfg: TrainConfig) -> bool:
-    return bool(cfg.train.eval_every) and optimizer_step > 0 and optimizer_step % cfg.train.eval_every == 0
+def eval_due(optimizer_step: int, every: int) -> bool:
+    """Whether an evaluation follows this optimizer step (every: train.eval_every, 0 for never)."""
+    return bool(every) and optimizer_step > 0 and optimizer_step % every == 0

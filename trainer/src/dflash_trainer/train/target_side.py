@@ -116,13 +116,13 @@ class EvalExchange:
     step; its items up to P are all sent by then, so the leader, which needs them to finish step P, is never
     waiting on it."""
 
-    def __init__(self, store: Any, group: Any, leader: int, offset: int, cfg: TrainConfig, num_drafters: int):
+    def __init__(self, store: Any, group: Any, leader: int, offset: int, every: int, num_drafters: int):
         self.store, self.group, self.leader, self.offset = store, group, leader, offset
-        self.cfg, self.num_drafters = cfg, num_drafters
+        self.every, self.num_drafters = every, num_drafters  # every: train.eval_every
         self._pending: list[int] = []  # optimizer steps whose figures the leader waits for
 
     def due(self, pipeline_step: int) -> bool:
-        return eval_due(pipeline_step + 1 + self.offset, self.cfg)
+        return eval_due(pipeline_step + 1 + self.offset, self.every)
 
     # the drafter leader
     def send(self, pipeline_step: int, drafter: nn.Module) -> None:
