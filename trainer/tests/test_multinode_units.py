@@ -22,6 +22,9 @@ def test_preflight_counts_the_ranks_of_every_node(tmp_path: Path, tiny_target) -
     wrong = {c.name: c for c in run_checks(config, nproc=2, nnodes=2)}["devices"]
     assert not wrong.ok
     assert "= 2, the launch starts 2 on each of 2 nodes" in wrong.detail, wrong
+    uneven = tiny_run_config(tmp_path / "u.toml", target, shards, topology={"targets": 1, "drafters": 2})
+    split = {c.name: c for c in run_checks(uneven, nnodes=2)}["devices"]  # no --nproc: 3 ranks over 2 nodes
+    assert not split.ok and "= 3, the launch starts 1 on each of 2 nodes" in split.detail, split
 
 
 def test_the_launcher_refuses_several_nodes_without_an_endpoint(capsys) -> None:

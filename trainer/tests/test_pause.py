@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -86,12 +87,18 @@ def test_serve_pipeline_hands_the_rank_the_pause_only_when_asked(monkeypatch, pa
     from dflash_trainer.service.serve import serve_pipeline
 
     seen = []
-    monkeypatch.setattr(rank_module, "run_rank", lambda cfg, options, control, topo: seen.append(control))
+    final = Path("step-00000003")
+
+    def run_rank(cfg, options, control, topo) -> Path:
+        seen.append(control)
+        return final
+
+    monkeypatch.setattr(rank_module, "run_rank", run_rank)
     stop = threading.Event()
     hooks = ServiceHooks(CFG, Notifier({}), [])
     pause = PauseAt(hooks, 3, hooks.notifier, stop) if paused else None
     topo = SimpleNamespace(drafter_ranks=[1])
-    serve_pipeline(CFG, topo, hooks, stop, max_steps=None, pause=pause)
+    assert serve_pipeline(CFG, topo, hooks, stop, max_steps=None, pause=pause) is final  # for the end's log
     (control,) = seen
     if paused:
         assert control.on_step is pause and control.on_relay == pause.attach_relay

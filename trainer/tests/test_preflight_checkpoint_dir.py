@@ -31,7 +31,7 @@ CT_ROOT = 100000  # pve-container's default map: the CT's uid 0 is host uid 1000
 
 def context(checkpoint_dir: Path) -> preflight.Context:
     ctx = preflight.Context(Path("train.toml"), 1)
-    ctx.cfg = SimpleNamespace(train=SimpleNamespace(checkpoint_dir=str(checkpoint_dir)))  # type: ignore[assignment]
+    ctx.cfg = SimpleNamespace(train=SimpleNamespace(checkpoint_dir=checkpoint_dir))  # type: ignore[assignment]
     return ctx
 
 
@@ -123,7 +123,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from dflash_trainer.service import preflight
 ctx = preflight.Context(Path("train.toml"), 1)
-ctx.cfg = SimpleNamespace(train=SimpleNamespace(checkpoint_dir=sys.argv[1]))
+ctx.cfg = SimpleNamespace(train=SimpleNamespace(checkpoint_dir=Path(sys.argv[1])))
 try:
     print(json.dumps({"ok": preflight.check_checkpoint_dir(ctx)}))
 except preflight.Failed as e:

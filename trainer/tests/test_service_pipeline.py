@@ -96,12 +96,14 @@ def test_serve_pipeline_notifies_stops_and_resumes_exactly(tiny_target, tmp_path
     reached = load_checkpoint(latest_checkpoint(tmp_path / "b"))[0]
     step = reached["trainer"]["step"]
     assert 3 <= step < STEPS and reached["position"]["next_item"] == step, log
-    assert f"stopped at step {step}" in log and "all 2 rank(s) stopped cleanly" in log
+    assert f"stopped at step {step}; checkpoint {tmp_path / 'b'}/step-{step:08d}" in log
+    assert "all 2 rank(s) stopped cleanly" in log
     assert stop_s < 30, f"{stop_s:.1f} s from SIGTERM to exit"
     print(f"stopped at step {step}, {stop_s:.1f} s after SIGTERM")
 
     resumed_log = finish(serve(stopped_cfg))
     assert f"resumed from {tmp_path / 'b'}/step-{step:08d} (step {step})" in resumed_log
+    assert f"finished at step {STEPS}; checkpoint {tmp_path / 'b'}/step-{STEPS:08d}" in resumed_log
     finish(straight)
 
     a, a_ema = load_checkpoint(latest_checkpoint(tmp_path / "a"))

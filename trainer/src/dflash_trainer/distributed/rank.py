@@ -359,8 +359,12 @@ def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
         opts.metrics_out.write_text(json.dumps(data, indent=1))
 
 
-def run_rank(cfg: TrainConfig | None, opts: RankOptions, control: Control | None, topo: Topology) -> int:
+def run_rank(
+    cfg: TrainConfig | None, opts: RankOptions, control: Control | None, topo: Topology
+) -> Path | None:
     """This rank of the job, under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    Returns the checkpoint the drafter leader's final save left (None on every other rank, and when nothing
+    was saved); a failure raises.
 
     control: the service's (None: a plain torchrun launch). topo: [topology] resolved for this world once, by
     whoever started the rank (the service, to find its leader; `main`, with the command line's overrides)."""
@@ -403,7 +407,7 @@ def _run_role(
     backend,
     monitor: PeerMonitor,
     control: Control | None,
-) -> int:
+) -> Path | None:
     running = timedelta(seconds=opts.timeout_s)
     # Every rank creates every group, in the same order (torch.distributed requires it).
     groups: dict[str, Any] = {
@@ -505,7 +509,8 @@ def _run_role(
     monitor.done()  # before the last barrier: rank 0 may host the store and exit first
     dist.barrier(group=groups["gloo"])
     dist.destroy_process_group()
-    return 0
+    checkpoint = extra.get("checkpoint")  # DrafterSide.finish's final save
+    return Path(checkpoint) if checkpoint else None
 
 
 def command_line_topology(args: argparse.Namespace, cfg: TrainConfig | None, world: int) -> Topology:
@@ -526,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(args.config)  # once; every part of this rank gets the object
     topo = command_line_topology(args, cfg, int(os.environ["WORLD_SIZE"]))
-    return run_rank(cfg, options_from_args(args), None, topo)
+    run_rank(cfg, options_from_args(args), None, topo)
+    return 0
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ def _nearest_existing(directory: Path) -> Path:
 def check_checkpoint_dir(ctx: Context) -> str:
     """Create and remove a file where the checkpoints go. Only a write tells: on a shared storage bound into
     an unprivileged CT, host root's directory is nobody's inside, and a read-only mount refuses even root."""
-    directory = Path(ctx.need_cfg().train.checkpoint_dir)
+    directory = ctx.need_cfg().train.checkpoint_dir
     where = _nearest_existing(directory)
     uid = os.geteuid()
     try:
@@ -261,7 +261,7 @@ def check_checkpoint_dir(ctx: Context) -> str:
 
 def check_disk(ctx: Context) -> str:
     cfg = ctx.need_cfg()
-    directory = Path(cfg.train.checkpoint_dir)
+    directory = cfg.train.checkpoint_dir
     if "target" not in ctx.facts:
         raise Skipped("needs the model check")
     if not ctx.facts.get("checkpoint_dir_writable", True):
@@ -352,6 +352,8 @@ def check_devices(ctx: Context) -> str:
     ctx.facts["device"] = kind
     topo = cfg.topology
     wanted = topo.ranks
+    # Not a re-read of check_config's count: nproc is what the launch starts (--nproc, or the unit's
+    # $DFLASH_NPROC, written at provisioning), else ranks // nnodes, short where nnodes does not divide ranks.
     if wanted is not None and wanted != ctx.nproc * ctx.nnodes:
         nodes = f" on each of {ctx.nnodes} nodes" if ctx.nnodes > 1 else ""
         raise Failed(

@@ -174,8 +174,9 @@ def node_speaker(speaker: int) -> bool:
 
 def serve_pipeline(
     cfg, topo, hooks: ServiceHooks, stop: threading.Event, *, max_steps: int | None, pause: PauseAt | None
-) -> None:
+) -> Path | None:
     """This rank's role to the horizon or an agreed stop; raises on failure (the launcher ends the job).
+    Returns the final checkpoint (the drafter leader's; None elsewhere, or when nothing was saved).
     `pause` (--pause-at) wraps the step hook and takes the relay (a stop asked on any node ends it)."""
     from dflash_trainer.distributed.rank import Control, RankOptions, run_rank
 
@@ -191,7 +192,7 @@ def serve_pipeline(
         progress=Heartbeat(hooks.notifier),
         on_relay=pause.attach_relay if pause is not None else None,
     )
-    run_rank(cfg, options, control, topo=topo)
+    return run_rank(cfg, options, control, topo=topo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -261,14 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 0
     try:
         if pipeline:
-            serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
+            checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
             step = hooks.last.step if hooks.last else None
             how = "stopped" if stop.is_set() else "finished"
             if step is not None:  # the drafter leader: the one that saved
-                from dflash_trainer.checkpoint import latest_checkpoint
-
-                where = latest_checkpoint(cfg.train.checkpoint_dir) or "no checkpoint"
-                log.info("%s at step %d; checkpoint %s", how, step, where)
+                log.info("%s at step %d; checkpoint %s", how, step, checkpoint or "no checkpoint")
             else:
                 log.info("%s", how)
         else:

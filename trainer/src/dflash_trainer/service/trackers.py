@@ -181,7 +181,7 @@ class WandbTracker:
             os.environ.setdefault(key, value)
         import wandb
 
-        run_dir = Path(directory) if directory else Path(cfg.train.checkpoint_dir)
+        run_dir = directory or cfg.train.checkpoint_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(
             silent=True,
