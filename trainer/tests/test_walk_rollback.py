@@ -76,3 +76,28 @@ def test_recorded_states_equal_the_states_of_running_the_tokens_again(hybrid) ->
         # The kept inputs come out of a GEMM over the whole block, the rerun's over the kept tokens alone.
         torch.testing.assert_close(conv_a, conv_b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rec_a, rec_b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_that_fails_to_capture_leaves_the_walk_static(hybrid, monkeypatch, caplog) -> None:
+    """A capture error (a CUDA call that is not allowed while capturing) costs the walk its graphs, not its
+    figures: it goes on over the static cache, lossless, and says so once."""
+    plain_init = TargetCache.__init__
+
+    def as_on_cuda(self, *args, **kwargs):
+        plain_init(self, *args, **kwargs)
+        self.kind = "graph"  # what CUDA would have chosen
+
+    def failing_capture(self, record: bool) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(TargetCache, "__init__", as_on_cuda)
+    monkeypatch.setattr(TargetCache, "_capture", failing_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    with caplog.at_level("WARNING"):
+        result = decode_walk(hybrid.target.model, hybrid.drafter, hybrid.prompts, WalkSettings(TRAINED_NEW))
+    assert result.cache == "static"
+    with torch.no_grad():
+        for walk, prompt in zip(result.walks, hybrid.prompts, strict=True):
+            assert torch.equal(walk.output_ids, _greedy(hybrid.target.model, prompt, TRAINED_NEW))
+    failures = [r for r in caplog.records if "failed to capture" in r.getMessage()]
+    assert len(failures) == 1, failures

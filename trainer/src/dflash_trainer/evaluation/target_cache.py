@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,6 +40,8 @@ from transformers.cache_utils import (
 )
 
 from dflash_trainer.model.kernels import DELTA_RULE_OPS
+
+log = logging.getLogger(__name__)
 
 RECURRENT_OP = "torch_recurrent_gated_delta_rule"
 Rollback = Literal["recorded", "rerun"]
@@ -155,6 +158,7 @@ class TargetCache:
         self._verified = 0  # tokens the last verify forward ran (a padded block's included)
         self._redo_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the recorded rollback by kept length
         self._redo_seen: set[int] = set()
+        self._redo_graphed = True  # until a rollback graph fails to capture
         if kind == "dynamic":
             self._new_cache(DynamicCache(config=self.config))
             return
@@ -212,8 +216,8 @@ class TargetCache:
         if self.linear:
             self.snapshot()
         record = bool(self.linear) and self.rollback_mode == "recorded"
-        if static and self.kind == "graph" and self._warmed:
-            return _first(self._graph_verify(block, record), size)  # records once, at its capture
+        if static and self.kind == "graph" and self._warmed and self._captured(record):
+            return _first(self._graph_verify(block), size)
         if record:
             self._conv_inputs, self._calls = {}, []
         with self._recorded() if record else contextlib.nullcontext():
@@ -262,9 +266,22 @@ class TargetCache:
         self.length += block.shape[1]
         return out
 
-    def _graph_verify(self, block: torch.Tensor, record: bool) -> _VerifyOutput:
-        if self._graph is None:
+    def _captured(self, record: bool) -> bool:
+        """Whether the verify graph is there, captured now if not (recording once, at its capture). A
+        capture that fails leaves the walk on the static cache without graphs, said once in the log."""
+        if self._graph is not None:
+            return True
+        try:
             self._capture(record)
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            log.warning("decode walk: the verify forward's CUDA graph failed to capture (%s: %s); this "
+                        "walk goes on without graphs", type(e).__name__, e)  # fmt: skip
+            self.kind = "static"
+            return False
+        return True
+
+    def _graph_verify(self, block: torch.Tensor) -> _VerifyOutput:
         assert self._graph is not None and self._graph_out is not None
         self._fill(block)
         self._graph.replay()
@@ -367,7 +384,7 @@ class TargetCache:
         """The recorded rollback; after a graphed verify, from one CUDA graph per kept length (its first
         time eagerly: FLA's recurrent kernel compiles then). Its inputs (the verify graph's recorded
         tensors, the snapshot buffers) and outputs (the cache's states) keep their addresses."""
-        if self._graph is None:
+        if self._graph is None or not self._redo_graphed:
             self._redo_linear_states(keep)
             return
         graph = self._redo_graphs.get(keep)
@@ -378,8 +395,16 @@ class TargetCache:
                 return
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._redo_linear_states(keep)
+            except RuntimeError as e:
+                torch.cuda.synchronize()
+                log.warning("decode walk: the rollback's CUDA graph failed to capture (%s: %s); this walk "
+                            "rolls back without graphs", type(e).__name__, e)  # fmt: skip
+                self._redo_graphed = False  # the verify graph stays
                 self._redo_linear_states(keep)
+                return
             self._redo_graphs[keep] = graph
         graph.replay()
 
