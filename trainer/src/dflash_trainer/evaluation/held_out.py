@@ -49,13 +49,14 @@ def first_rows(batches: Sequence[Batch], rows: int) -> list[Batch]:
     if rows == 0:
         return list(batches)
     kept: list[Batch] = []
+    left = rows
     for b in batches:
-        left = rows - sum(k.input_ids.shape[0] for k in kept)
         if left <= 0:
             break
         if b.input_ids.shape[0] > left:
             b = Batch(b.input_ids[:left], b.attention_mask[:left], b.loss_mask[:left])
         kept.append(b)
+        left -= b.input_ids.shape[0]
     return kept
 
 

@@ -169,11 +169,14 @@ class TargetCache:
         self._offsets = torch.arange(block_size, device=device)
         self._kv_index = torch.arange(max_len, device=device)
         self._mask = torch.zeros(1, 1, block_size, max_len, dtype=torch.bool, device=device)
-        types = getattr(model.config, "layer_types", None) or [FULL_ATTENTION]
+        types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
         self._masks = {t: (self._mask if t == FULL_ATTENTION else None) for t in set(types)}
 
     def _new_cache(self, cache: DynamicCache | StaticCache) -> None:
         self.cache = cache
+        self._saved = []  # the snapshot's buffers, made at this cache's first verify
+        self._redo_graphs.clear()
+        self._redo_seen.clear()
         layers = cache.layers
         if any(isinstance(layer, DynamicSlidingWindowLayer | StaticSlidingWindowLayer) for layer in layers):
             raise ValueError("the decode walk cannot roll back a sliding-window target cache")
@@ -313,9 +316,7 @@ class TargetCache:
     def snapshot(self) -> None:
         """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting. The
         copies keep their buffers from one verify to the next (a rollback graph reads them in place)."""
-        if [len(conv) for conv, _rec, _prev in self._saved] != [
-            sum(s is not None for s in layer.conv_states.values()) for layer in self.linear
-        ]:
+        if not self._saved:  # this cache's first verify
             self._saved = [
                 (
                     {i: torch.empty_like(s) for i, s in layer.conv_states.items() if s is not None},
@@ -324,8 +325,6 @@ class TargetCache:
                 )
                 for layer in self.linear
             ]
-            self._redo_graphs.clear()
-            self._redo_seen.clear()
         for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
             for i, s in conv.items():
                 s.copy_(layer.conv_states[i])
