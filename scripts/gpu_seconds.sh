@@ -2,7 +2,7 @@
 # What the operator waits for on a lent GPU machine, each figure beside its previous value in one run, with the
 # service's own entry points. Detached, so that it outlives the device tool's 10-minute limit per command:
 #   device run (carry .whl and .old):  bash scripts/gpu_seconds.sh start [SECTION...]   # returns at once
-#   device run:                        bash scripts/gpu_seconds.sh poll [SECONDS]       # until the end or SECONDS
+#   device run (no carry):             bash scripts/gpu_seconds.sh poll [SECONDS]       # until the end or SECONDS
 # .whl: the flash-linear-attention and fla-core wheels. .old/trainer/src: the trainer's source before the change
 # (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
 # Sections, in this order (default: all):
@@ -22,6 +22,10 @@ start)
   shift
   rm -rf "$STATE"
   mkdir -p "$STATE/out"
+  # The session runs from its own copy: the device tool replaces or removes the working tree's ignored paths at
+  # the next call (a poll), which left an earlier session without its files halfway.
+  cp -a . "$STATE/tree"
+  cd "$STATE/tree" || exit 1
   export STATE  # the detached shell writes its figures under it
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
@@ -66,7 +70,7 @@ start)
       echo "=== fast_load on an idle host: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"
       timeout 180 python3 trainer/bench/bench_load.py --size-gb 8 --device cuda --repeat 7 2>&1 | tail -n 20
     fi
-    rm -rf /dev/shm/dflash "$STATE/rehearsal"
+    rm -rf /dev/shm/dflash "$STATE/rehearsal" "$STATE/tree"
     echo "session exit ($(date -u +%T))"' session "$@" >"$LOG" 2>&1 </dev/null &
   echo "gpu seconds: started (pid $!); log $LOG"
   ;;
@@ -74,7 +78,7 @@ poll)
   deadline=$(($(date +%s) + ${2:-540}))
   while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
   if [ -n "${OUT:-}" ]; then
-    cp "$LOG" "$STATE"/out/*.json "$STATE"/out/*.txt "$OUT"/ 2>/dev/null
+    cp "$LOG" "$STATE"/out/*.json "$STATE"/out/*.txt "$STATE"/out/*.log "$OUT"/ 2>/dev/null
   fi
   tail -n 150 "$LOG"
   grep -q "^session exit" "$LOG" || echo "gpu seconds: still running"
