@@ -7,7 +7,8 @@ Writes the random target of `--shape` into `--target` when no complete one is th
 `dflash-train model random`), loads it whole through the trainer's own `load_target(full=True)`, builds the
 reference configuration's drafter at random (tau about 1: every block rejected, the walk's worst case) and
 runs the trainer's own `decode_walk`: a warm-up prompt, then the timed prompts, once per `--variants` entry
-(CACHE/ROLLBACK: graph/recorded is the default walk, dynamic/recorded the eager one before it) side by side in
+(CACHE/ROLLBACK[/DRAFT]: graph/recorded is the default walk, graph/recorded/dynamic the same with the eager
+drafter, dynamic/recorded the eager walk before both) side by side in
 one process. The phases (draft, prefill, verify, rollback) are timed with a device synchronisation around
 each; `--profile N` records N more verify steps of the first variant with torch.profiler and prints the
 operators by device and host time. Figures, no assertions.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import load_config, read_target_info, validate
-from dflash_trainer.evaluation import target_cache, walk
+from dflash_trainer.evaluation import draft_runner, target_cache, walk
 from dflash_trainer.model.target import load_target
 from dflash_trainer.runtime import autocast
 from dflash_trainer.train.setup import drafter_spec, new_drafter
@@ -49,7 +50,7 @@ def phase_timers(calls: dict[str, list[float]]) -> Iterator[None]:
     cache = target_cache.TargetCache
     methods = ("prefill", "verify", "rollback", "snapshot")
     originals: dict[str, Any] = {name: getattr(cache, name) for name in methods}
-    draft = walk._draft
+    guesses = draft_runner.DraftRunner.guesses
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -62,27 +63,40 @@ def phase_timers(calls: dict[str, list[float]]) -> Iterator[None]:
 
         return run
 
-    walk._draft = timed("draft", draft)  # type: ignore[assignment]
+    draft_runner.DraftRunner.guesses = timed("draft", guesses)  # type: ignore[method-assign]
     for name in methods:
         setattr(cache, name, timed(name, originals[name]))
     try:
         yield
     finally:
-        walk._draft = draft
+        draft_runner.DraftRunner.guesses = guesses  # type: ignore[method-assign]
         for name in methods:
             setattr(cache, name, originals[name])
 
 
+KINDS = ("graph", "static", "dynamic")
+
+
 def _variant(text: str) -> str:
-    cache, _, rollback = text.partition("/")
-    if cache not in ("graph", "static", "dynamic") or rollback not in ("recorded", "rerun"):
-        raise argparse.ArgumentTypeError(f"{text!r}: CACHE/ROLLBACK, e.g. graph/recorded")
+    cache, rollback, *draft = text.split("/")
+    if (
+        cache not in KINDS
+        or rollback not in ("recorded", "rerun")
+        or draft[1:]
+        or not set(draft) <= set(KINDS)
+    ):
+        raise argparse.ArgumentTypeError(f"{text!r}: CACHE/ROLLBACK[/DRAFT], e.g. graph/recorded/dynamic")
     return text
 
 
 def _settings(variant: str, new_tokens: int) -> walk.WalkSettings:
-    cache, _, rollback = variant.partition("/")
-    return walk.WalkSettings(max_new_tokens=new_tokens, cache=cache, rollback=rollback)  # type: ignore[arg-type]
+    cache, rollback, *draft = variant.split("/")
+    return walk.WalkSettings(
+        max_new_tokens=new_tokens,
+        cache=cache,
+        rollback=rollback,
+        draft=draft[0] if draft else None,  # type: ignore[arg-type]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile", type=int, default=0, help="verify steps to record with torch.profiler")
-    p.add_argument("--variants", nargs="+", default=["graph/recorded", "dynamic/recorded"], type=_variant,
-                   help="CACHE/ROLLBACK: graph, static or dynamic / recorded or rerun")  # fmt: skip
+    variants = ["graph/recorded", "graph/recorded/dynamic", "dynamic/recorded"]
+    p.add_argument("--variants", nargs="+", default=variants, type=_variant,
+                   help="CACHE/ROLLBACK[/DRAFT]: graph, static or dynamic / recorded or rerun / the "
+                   "drafter's kind (default: CACHE's)")  # fmt: skip
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

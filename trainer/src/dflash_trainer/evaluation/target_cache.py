@@ -39,6 +39,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from dflash_trainer.evaluation.cuda_graph import capture
 from dflash_trainer.model.kernels import DELTA_RULE_OPS
 
 log = logging.getLogger(__name__)
@@ -296,20 +297,8 @@ class TargetCache:
         recording keeps (conv inputs, delta-rule calls) are the graph's own tensors, refreshed by each
         replay."""
         self._conv_inputs, self._calls = {}, []
-        graph = torch.cuda.CUDAGraph()
-        device = self._ids.device.type
-        # Autocast's cast cache must be off while capturing (torch.cuda.graph's documented restriction).
-        cast = torch.autocast(
-            device,
-            dtype=torch.get_autocast_dtype(device),
-            enabled=torch.is_autocast_enabled(device),
-            cache_enabled=False,
-        )
-        torch.cuda.synchronize()
-        recording = self._recorded() if record else contextlib.nullcontext()
-        # thread_local: another thread's CUDA calls (a loader pinning memory) do not break the capture.
-        with cast, recording, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self._run_buffers()
+        recording = self._recorded() if record else None
+        graph, out = capture(self._run_buffers, recording)
         self._graph = graph
         self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
 
@@ -392,11 +381,8 @@ class TargetCache:
                 self._redo_seen.add(keep)
                 self._redo_linear_states(keep)
                 return
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
             try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._redo_linear_states(keep)
+                graph, _ = capture(functools.partial(self._redo_linear_states, keep))
             except RuntimeError as e:
                 torch.cuda.synchronize()
                 log.warning("decode walk: the rollback's CUDA graph failed to capture (%s: %s); this walk "

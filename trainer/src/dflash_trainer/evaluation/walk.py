@@ -11,7 +11,7 @@ Lossless by construction: the target's cache is rolled back exactly after a reje
 forward of a whole block is replayed from a CUDA graph over a static cache (evaluation/target_cache.py).
 
 The drafter is re-run over the whole context each step (no drafter KV cache): the same arithmetic as dflash's
-cached drafter, and cheap next to the target's verify forward at evaluation lengths.
+client; on CUDA from a CUDA graph over a buffer of the walk's longest context (evaluation/draft_runner.py).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from dflash_trainer.evaluation.draft_runner import DraftRunner
 from dflash_trainer.evaluation.target_cache import CacheKind, Rollback, TargetCache, recorder
-from dflash_trainer.method.mask import block_attention_mask
-from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
+from dflash_trainer.model.drafter import DFlashDrafter
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,12 @@ class WalkSettings:
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     # How a hybrid target's Gated DeltaNet states are rolled back after a rejection (target_cache.py).
     rollback: Rollback = "recorded"
-    # The target's cache and verify forward: "graph" (CUDA graph over a static cache; "static" off CUDA),
-    # "static" or "dynamic" (target_cache.py).
+    # The target's cache and verify forward, and the drafter's context: "graph" (CUDA graphs over static
+    # buffers; "static" off CUDA), "static" or "dynamic" (target_cache.py, draft_runner.py).
     cache: CacheKind = "graph"
+    draft: CacheKind | None = (
+        None  # the drafter's kind when it differs from `cache` (benchmarks compare them)
+    )
 
 
 @dataclass
@@ -112,39 +116,19 @@ def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def _draft(
-    drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, context: torch.Tensor, block: torch.Tensor
-) -> torch.Tensor:
-    """Greedy guesses for block slots 1..N-1: one block anchored after the whole context."""
-    spec = drafter.spec
-    ctx_len, n = context.shape[1], block.shape[1]
-    device = context.device
-    anchors = torch.tensor([[ctx_len]], device=device)
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    masks = {
-        t: block_attention_mask(anchors, valid, ctx_len, n, spec.sliding_window if t == SLIDING else None)
-        for t in set(spec.layer_types)
-    }
-    positions = torch.arange(ctx_len + n, device=device)[None]
-    hidden = drafter(context, embed(block), positions, masks)
-    return head(hidden[:, 1:]).argmax(dim=-1)
-
-
 @torch.no_grad()
 def walk_prompt(
     target: TargetCache,
-    drafter: DFlashDrafter,
+    drafter: DraftRunner,
     prompt: torch.Tensor,
     settings: WalkSettings,
     *,
     label: str = "",
 ) -> PromptWalk:
     """dflash_generate (greedy) for one prompt Long[T] or Long[1, T]; returns its steps and output."""
-    model = target.model
-    spec = drafter.spec
+    spec = drafter.drafter.spec
     block_size = settings.block_size or spec.block_size
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    device = embed.weight.device
+    device = target.model.get_input_embeddings().weight.device
     input_ids = prompt.reshape(1, -1).to(device)
     n_in = input_ids.shape[1]
     max_length = n_in + settings.max_new_tokens
@@ -154,7 +138,7 @@ def walk_prompt(
     prefill = target.prefill(input_ids)
     out[:, :n_in] = input_ids
     out[:, n_in] = prefill.logits[:, -1].argmax(dim=-1)
-    context = _features(prefill.hidden_states, spec.target_layer_ids)
+    drafter.start(_features(prefill.hidden_states, spec.target_layer_ids))
 
     lengths: list[int] = []
     rejections = accepted_drafts = 0
@@ -164,7 +148,7 @@ def walk_prompt(
         size = min(block_size, max_length - start)
         block = out[:, start : start + size].clone()
         if size > 1:
-            block[:, 1:] = _draft(drafter, embed, head, context, block)
+            block[:, 1:] = drafter.guesses(block)
         verify = target.verify(block)
         posterior = verify.logits.argmax(dim=-1)
         accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum(dim=1)[0])
@@ -179,8 +163,7 @@ def walk_prompt(
         rejections += int(accepted < size - 1)
         if start + produced + 1 < max_length and not stopped:  # the walk goes on from here
             target.rollback(start, produced, block)
-        kept = _features(verify.hidden_states, spec.target_layer_ids)[:, :produced]
-        context = torch.cat([context, kept], dim=1)
+        drafter.extend(_features(verify.hidden_states, spec.target_layer_ids)[:, :produced])
         start += produced
         lengths.append(produced)
         if settings.progress is not None:
@@ -239,21 +222,28 @@ def decode_walk(
         _sync(device)
         t0 = time.perf_counter()
         block_size = settings.block_size or draft.spec.block_size
+        max_len = max(p.numel() for p in prompts) + settings.max_new_tokens + block_size
         target = TargetCache(
-            model,
-            settings.rollback,
-            kind=settings.cache,
-            max_len=max(p.numel() for p in prompts) + settings.max_new_tokens + block_size,
+            model, settings.rollback, kind=settings.cache, max_len=max_len, block_size=block_size
+        )
+        lm: Any = model  # a transformers causal LM (typed loosely: nn.Module hides its methods)
+        embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        runner = DraftRunner(
+            draft,
+            embed,
+            head,
+            kind=settings.draft or settings.cache,
+            max_context=max_len,
             block_size=block_size,
         )
         # Layers compiled in place for training (train.compile) would recompile for every context length.
         with torch.compiler.set_stance("force_eager"), recorder.installed(), _attention_backends(device):
             walks = [
-                walk_prompt(target, draft, p, settings, label=f" prompt {i} of {len(prompts)}")
+                walk_prompt(target, runner, p, settings, label=f" prompt {i} of {len(prompts)}")
                 for i, p in enumerate(prompts, 1)
             ]
         kind = target.kind
-        del target  # its CUDA graph and static cache
+        del target, runner  # their CUDA graphs and buffers
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:

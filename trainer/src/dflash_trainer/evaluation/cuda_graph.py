@@ -1,0 +1,32 @@
+"""One CUDA graph capture for the decode walk's forwards (the target's verify, the drafter's guesses)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def capture(
+    run: Callable[[], T], around: contextlib.AbstractContextManager[object] | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Records `run` in a CUDA graph (nothing runs: each replay does) and returns the graph and `run`'s
+    outputs, the graph's own tensors that every replay refreshes. `around` is entered inside the caller's
+    precision, outside the capture."""
+    graph = torch.cuda.CUDAGraph()
+    # Autocast's cast cache must be off while capturing (torch.cuda.graph's documented restriction).
+    cast = torch.autocast(
+        "cuda",
+        dtype=torch.get_autocast_dtype("cuda"),
+        enabled=torch.is_autocast_enabled("cuda"),
+        cache_enabled=False,
+    )
+    torch.cuda.synchronize()
+    # thread_local: another thread's CUDA calls (a loader pinning memory) do not break the capture.
+    with cast, around or contextlib.nullcontext(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out

@@ -1,0 +1,151 @@
+"""The decode walk's drafter side: a block's greedy guesses from the target features of the whole context.
+
+The drafter has no KV cache (as dflash's `dflash_generate` runs it with a fresh one each step, the same
+arithmetic): each step it reads the target features of every token so far.
+
+Kinds. "dynamic": the context is the features as they are, one tensor longer each step. "static": the features
+sit in a buffer sized for the walk's longest context, and the drafter reads the whole buffer; the block's
+attention mask (method.mask, anchored at the context's length) hides every key past the context, and the
+positions of the block follow the length. Mask, positions and anchor are computed on the device from a
+length tensor, so nothing the forward reads depends on the host. "graph": the static forward captured once
+in a CUDA graph and replayed: the eager drafter of a walk step is bound by its host (14.0 ms a step on an
+H100 for about 1 ms of device work, docs/benchmarks.md#decode-walk). A hidden key adds exactly zero to the
+softmax, so the guesses are dynamic's up to the rounding of sums over a longer row. A shorter block (a
+prompt's last) runs dynamically: its slots see each other, so padding would change the guesses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from torch import nn
+
+from dflash_trainer.evaluation.cuda_graph import capture
+from dflash_trainer.method.mask import block_attention_mask
+from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
+
+log = logging.getLogger(__name__)
+
+DraftKind = Literal["graph", "static", "dynamic"]
+
+
+def draft_block(
+    drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, context: torch.Tensor, block: torch.Tensor
+) -> torch.Tensor:
+    """Greedy guesses Long[1, N-1] for block slots 1..N-1: one block anchored after the whole context."""
+    ctx_len = context.shape[1]
+    anchors = torch.tensor([[ctx_len]], device=context.device)
+    return _guesses(drafter, embed, head, context, block, anchors)
+
+
+def _guesses(
+    drafter: DFlashDrafter,
+    embed: nn.Module,
+    head: nn.Module,
+    context: torch.Tensor,
+    block: torch.Tensor,
+    anchors: torch.Tensor,
+) -> torch.Tensor:
+    """The drafter's guesses with the block anchored at `anchors` (Long[1, 1], on the device) in a context
+    of context.shape[1] keys; the keys at and past the anchor are hidden."""
+    spec = drafter.spec
+    ctx_len, n = context.shape[1], block.shape[1]
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    masks = {
+        t: block_attention_mask(anchors, valid, ctx_len, n, spec.sliding_window if t == SLIDING else None)
+        for t in set(spec.layer_types)
+    }
+    offsets = torch.arange(n, device=context.device)
+    positions = torch.cat([torch.arange(ctx_len, device=context.device), anchors[0] + offsets])[None]
+    hidden = drafter(context, embed(block), positions, masks)
+    return head(hidden[:, 1:]).argmax(dim=-1)
+
+
+class DraftRunner:
+    """One walk's drafter: `start` with a prompt's features, `extend` with the kept tokens' features after
+    each verify, `guesses` for the next block."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        embed: nn.Module,
+        head: nn.Module,
+        *,
+        kind: DraftKind,
+        max_context: int,
+        block_size: int,
+    ) -> None:
+        device = next(embed.parameters()).device
+        if kind == "graph" and device.type != "cuda":
+            kind = "static"
+        self.kind: DraftKind = kind
+        self.drafter, self.embed, self.head = drafter, embed, head
+        self.max_context, self.block_size = max_context, block_size
+        self.length = 0
+        self._context: torch.Tensor | None = None  # dynamic: the features so far; static: the buffer
+        self._anchor = torch.zeros(1, 1, dtype=torch.long, device=device)  # static: the context's length
+        self._ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
+        self._warmed = False
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_out: torch.Tensor | None = None
+
+    def start(self, features: torch.Tensor) -> None:
+        """A new prompt: its features [1, T, K*H]."""
+        self.length = 0
+        if self.kind == "dynamic":
+            self._context = features
+            self.length = features.shape[1]
+            return
+        if self._context is None:  # one buffer for every prompt of the walk: the graph reads its address
+            shape = (1, self.max_context, features.shape[-1])
+            self._context = torch.zeros(shape, dtype=features.dtype, device=features.device)
+        self.extend(features)
+
+    def extend(self, kept: torch.Tensor) -> None:
+        """The features of the tokens the last verify kept."""
+        assert self._context is not None, "start() first"
+        if self.kind == "dynamic":
+            self._context = torch.cat([self._context, kept], dim=1)
+        else:
+            end = self.length + kept.shape[1]
+            if end > self.max_context:
+                raise ValueError(
+                    f"decode walk: a context of {end} tokens past the drafter's {self.max_context}"
+                )
+            self._context[:, self.length : end] = kept
+        self.length += kept.shape[1]
+
+    def guesses(self, block: torch.Tensor) -> torch.Tensor:
+        """Greedy guesses Long[1, N-1] for the block's slots 1..N-1 (slot 0 is the last accepted token)."""
+        assert self._context is not None, "start() first"
+        if self.kind == "dynamic" or block.shape[1] != self.block_size:
+            return draft_block(self.drafter, self.embed, self.head, self._context[:, : self.length], block)
+        self._ids.copy_(block)
+        self._anchor.fill_(self.length)
+        if self.kind == "graph" and self._warmed and self._captured():
+            assert self._graph is not None and self._graph_out is not None
+            self._graph.replay()
+            return self._graph_out
+        self._warmed = True  # kernels ran once (autotune, cuBLAS) before a capture
+        return self._run_buffers()
+
+    def _run_buffers(self) -> torch.Tensor:
+        assert self._context is not None
+        return _guesses(self.drafter, self.embed, self.head, self._context, self._ids, self._anchor)
+
+    def _captured(self) -> bool:
+        """Whether the graph is there, captured now if not. A capture that fails leaves the walk's drafter
+        on the static forward, said once in the log."""
+        if self._graph is not None:
+            return True
+        try:
+            self._graph, self._graph_out = capture(self._run_buffers)
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            log.warning("decode walk: the drafter's CUDA graph failed to capture (%s: %s); this walk's "
+                        "drafter goes on without it", type(e).__name__, e)  # fmt: skip
+            self.kind = "static"
+            return False
+        return True
