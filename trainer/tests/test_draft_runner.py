@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from dflash_trainer.evaluation.draft_runner import DraftRunner, draft_block
-from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.method.mask import block_attention_mask
+from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
 
 MAX_CONTEXT = 40
 
@@ -51,16 +52,46 @@ def _steps(
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
-def test_guesses_over_the_buffer_equal_guesses_over_the_context(parts, kind: str) -> None:
+def test_guesses_over_the_buffer_equal_guesses_over_the_context(parts, kind: str, bf16: bool) -> None:
     drafter, embed, head = parts
     spec = drafter.spec
-    runner = DraftRunner(drafter, embed, head, kind=kind, max_context=MAX_CONTEXT, block_size=spec.block_size)
-    g = torch.Generator().manual_seed(1)
-    # The longer prompt first: the second one's buffer holds its features past its own context.
-    assert _steps(runner, drafter, embed, head, 12, [1, 4, 2, 4, 3, 1], g) == 6
-    assert _steps(runner, drafter, embed, head, 5, [4, 1, 3], g) == 3
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        runner = DraftRunner(
+            drafter, embed, head, kind=kind, max_context=MAX_CONTEXT, block_size=spec.block_size
+        )
+        g = torch.Generator().manual_seed(1)
+        # The longer prompt first: the second one's buffer holds its features past its own context.
+        assert _steps(runner, drafter, embed, head, 12, [1, 4, 2, 4, 3, 1], g) == 6
+        assert _steps(runner, drafter, embed, head, 5, [4, 1, 3], g) == 3
     assert runner.kind == kind
+
+
+@torch.no_grad()
+@torch.no_grad()
+def test_weights_cast_once_give_autocasts_outputs(parts) -> None:
+    """Under bf16 autocast the runner holds the linear weights cast once (a capture would recast them at
+    every replay): the drafter's hidden states are bitwise autocast's, and the norms keep fp32 weights."""
+    drafter, embed, head = parts
+    spec = drafter.spec
+    g = torch.Generator().manual_seed(6)
+    context, n = _features(9, spec, g), spec.block_size
+    block = embed(torch.randint(0, spec.vocab_size, (1, n), generator=g))
+    positions = torch.arange(9 + n)[None]
+    anchors, valid = torch.tensor([[9]]), torch.ones(1, 1, dtype=torch.bool)
+    masks = {
+        t: block_attention_mask(anchors, valid, 9, n, 6 if t == SLIDING else None) for t in spec.layer_types
+    }
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runner = DraftRunner(drafter, embed, head, kind="static", max_context=MAX_CONTEXT, block_size=n)
+        cast = runner._forward(context, block, positions, masks)
+        plain = drafter(context, block, positions, masks)
+        assert all(w.dtype == torch.bfloat16 and w.dim() == 2 for w in runner._weights.values())
+        assert len(runner._weights) == 7 * spec.num_layers + 1  # q k v o, gate up down; fc
+        assert torch.equal(cast, plain)
+        assert not DraftRunner(drafter, embed, head, kind="dynamic", max_context=8, block_size=n)._weights
+    assert not DraftRunner(drafter, embed, head, kind="static", max_context=8, block_size=n)._weights  # fp32
 
 
 @torch.no_grad()

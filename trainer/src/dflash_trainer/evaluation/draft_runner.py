@@ -12,15 +12,24 @@ in a CUDA graph and replayed: the eager drafter of a walk step is bound by its h
 H100 for about 1 ms of device work, docs/benchmarks.md#decode-walk). A hidden key adds exactly zero to the
 softmax, so the guesses are dynamic's up to the rounding of sums over a longer row. A shorter block (a
 prompt's last) runs dynamically: its slots see each other, so padding would change the guesses.
+
+Weights. Under autocast the drafter's linear layers cast their fp32 weights (the training copy) to bf16 at
+each call; eagerly autocast caches the casts for the walk, but a capture runs with the cast cache off, so a
+replay would cast them all again (about 16 GB of traffic a step for the reference drafter, most of its
+7.1 ms on an H100). The static and graph kinds cast the linear weights once per walk, to what autocast would
+have cast them to (bitwise the same matmuls), and run the drafter with them (torch.func.functional_call);
+the norms keep their fp32 weights, as under autocast.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from dflash_trainer.evaluation.cuda_graph import capture
 from dflash_trainer.method.mask import block_attention_mask
@@ -37,19 +46,21 @@ def draft_block(
     """Greedy guesses Long[1, N-1] for block slots 1..N-1: one block anchored after the whole context."""
     ctx_len = context.shape[1]
     anchors = torch.tensor([[ctx_len]], device=context.device)
-    return _guesses(drafter, embed, head, context, block, anchors)
+    return _guesses(drafter, drafter, embed, head, context, block, anchors)
 
 
 def _guesses(
     drafter: DFlashDrafter,
+    forward: Callable[..., torch.Tensor],
     embed: nn.Module,
     head: nn.Module,
     context: torch.Tensor,
     block: torch.Tensor,
     anchors: torch.Tensor,
 ) -> torch.Tensor:
-    """The drafter's guesses with the block anchored at `anchors` (Long[1, 1], on the device) in a context
-    of context.shape[1] keys; the keys at and past the anchor are hidden."""
+    """The guesses of `forward` (the drafter, or the drafter with other weights) with the block anchored at
+    `anchors` (Long[1, 1], on the device) in a context of context.shape[1] keys; the keys at and past the
+    anchor are hidden."""
     spec = drafter.spec
     ctx_len, n = context.shape[1], block.shape[1]
     valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -59,8 +70,22 @@ def _guesses(
     }
     offsets = torch.arange(n, device=context.device)
     positions = torch.cat([torch.arange(ctx_len, device=context.device), anchors[0] + offsets])[None]
-    hidden = drafter(context, embed(block), positions, masks)
+    hidden = forward(context, embed(block), positions, masks)
     return head(hidden[:, 1:]).argmax(dim=-1)
+
+
+def cast_linear_weights(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's linear weights as autocast would cast them on their device (empty without autocast
+    there, or when they are in its dtype already): held for a walk, they replace the casts of every call."""
+    device = next(drafter.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        return {}
+    dtype = torch.get_autocast_dtype(device)
+    return {
+        f"{name}.weight": module.weight.detach().to(dtype)
+        for name, module in drafter.named_modules()
+        if isinstance(module, nn.Linear) and module.weight.dtype != dtype
+    }
 
 
 class DraftRunner:
@@ -90,6 +115,7 @@ class DraftRunner:
         self._warmed = False
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: torch.Tensor | None = None
+        self._weights = cast_linear_weights(drafter) if kind != "dynamic" else {}
 
     def start(self, features: torch.Tensor) -> None:
         """A new prompt: its features [1, T, K*H]."""
@@ -131,9 +157,17 @@ class DraftRunner:
         self._warmed = True  # kernels ran once (autotune, cuBLAS) before a capture
         return self._run_buffers()
 
+    def _forward(self, *args: torch.Tensor | dict[str, object]) -> torch.Tensor:
+        if not self._weights:
+            return self.drafter(*args)
+        out: torch.Tensor = functional_call(self.drafter, self._weights, args)
+        return out
+
     def _run_buffers(self) -> torch.Tensor:
         assert self._context is not None
-        return _guesses(self.drafter, self.embed, self.head, self._context, self._ids, self._anchor)
+        return _guesses(
+            self.drafter, self._forward, self.embed, self.head, self._context, self._ids, self._anchor
+        )
 
     def _captured(self) -> bool:
         """Whether the graph is there, captured now if not. A capture that fails leaves the walk's drafter
