@@ -135,7 +135,7 @@ def test_a_graph_that_fails_to_capture_leaves_the_drafter_static(parts, monkeypa
     def failing_capture(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr("dflash_trainer.evaluation.draft_runner.capture", failing_capture)
+    monkeypatch.setattr("dflash_trainer.evaluation.cuda_graph.capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     g = torch.Generator().manual_seed(4)
     with caplog.at_level("WARNING"):

@@ -87,11 +87,11 @@ def test_a_graph_that_fails_to_capture_leaves_the_walk_static(hybrid, monkeypatc
         plain_init(self, *args, **kwargs)
         self.kind = "graph"  # what CUDA would have chosen
 
-    def failing_capture(self, record: bool) -> None:
+    def failing_capture(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(TargetCache, "__init__", as_on_cuda)
-    monkeypatch.setattr(TargetCache, "_capture", failing_capture)
+    monkeypatch.setattr("dflash_trainer.evaluation.cuda_graph.capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     with caplog.at_level("WARNING"):
         result = decode_walk(hybrid.target.model, hybrid.drafter, hybrid.prompts, WalkSettings(TRAINED_NEW))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -30,3 +32,21 @@ def capture(
     with cast, around or contextlib.nullcontext(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = run()
     return graph, out
+
+
+def try_capture(
+    run: Callable[[], T],
+    what: str,
+    without: str,
+    around: contextlib.AbstractContextManager[object] | None = None,
+) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    """capture(), or None after a capture error (a CUDA call not allowed while capturing), said in the log:
+    `what` names the forward, `without` what the walk does instead. The walk stays lossless either way."""
+    try:
+        return capture(run, around)
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        log.warning(
+            "decode walk: %s's CUDA graph failed to capture (%s: %s); %s", what, type(e).__name__, e, without
+        )
+        return None

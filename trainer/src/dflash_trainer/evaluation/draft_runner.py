@@ -23,7 +23,6 @@ the norms keep their fp32 weights, as under autocast.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Literal
 
@@ -31,11 +30,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dflash_trainer.evaluation.cuda_graph import capture
+from dflash_trainer.evaluation.cuda_graph import try_capture
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
-
-log = logging.getLogger(__name__)
 
 DraftKind = Literal["graph", "static", "dynamic"]
 
@@ -174,12 +171,9 @@ class DraftRunner:
         on the static forward, said once in the log."""
         if self._graph is not None:
             return True
-        try:
-            self._graph, self._graph_out = capture(self._run_buffers)
-        except RuntimeError as e:
-            torch.cuda.synchronize()
-            log.warning("decode walk: the drafter's CUDA graph failed to capture (%s: %s); this walk's "
-                        "drafter goes on without it", type(e).__name__, e)  # fmt: skip
+        captured = try_capture(self._run_buffers, "the drafter", "this walk's drafter goes on without it")
+        if captured is None:
             self.kind = "static"
             return False
+        self._graph, self._graph_out = captured
         return True

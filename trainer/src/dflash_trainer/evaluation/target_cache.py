@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,10 +38,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from dflash_trainer.evaluation.cuda_graph import capture
+from dflash_trainer.evaluation.cuda_graph import try_capture
 from dflash_trainer.model.kernels import DELTA_RULE_OPS
-
-log = logging.getLogger(__name__)
 
 RECURRENT_OP = "torch_recurrent_gated_delta_rule"
 Rollback = Literal["recorded", "rerun"]
@@ -271,18 +268,22 @@ class TargetCache:
         return out
 
     def _captured(self, record: bool) -> bool:
-        """Whether the verify graph is there, captured now if not (recording once, at its capture). A
+        """Whether the verify graph is there, captured now if not (recording once, at its capture: what it
+        keeps, the conv inputs and delta-rule calls, are the graph's own tensors, refreshed by each replay). A
         capture that fails leaves the walk on the static cache without graphs, said once in the log."""
         if self._graph is not None:
             return True
-        try:
-            self._capture(record)
-        except RuntimeError as e:
-            torch.cuda.synchronize()
-            log.warning("decode walk: the verify forward's CUDA graph failed to capture (%s: %s); this "
-                        "walk goes on without graphs", type(e).__name__, e)  # fmt: skip
+        self._conv_inputs, self._calls = {}, []
+        recording = self._recorded() if record else None
+        captured = try_capture(
+            self._run_buffers, "the verify forward", "this walk goes on without graphs", recording
+        )
+        if captured is None:
             self.kind = "static"
             return False
+        graph, out = captured
+        self._graph = graph
+        self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
         return True
 
     def _graph_verify(self, block: torch.Tensor) -> _VerifyOutput:
@@ -291,16 +292,6 @@ class TargetCache:
         self._graph.replay()
         self.length += block.shape[1]
         return self._graph_out
-
-    def _capture(self, record: bool) -> None:
-        """Records the static verify forward in a CUDA graph (nothing runs: the next replay does). What the
-        recording keeps (conv inputs, delta-rule calls) are the graph's own tensors, refreshed by each
-        replay."""
-        self._conv_inputs, self._calls = {}, []
-        recording = self._recorded() if record else None
-        graph, out = capture(self._run_buffers, recording)
-        self._graph = graph
-        self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
 
     def snapshot(self) -> None:
         """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting. The
@@ -381,15 +372,13 @@ class TargetCache:
                 self._redo_seen.add(keep)
                 self._redo_linear_states(keep)
                 return
-            try:
-                graph, _ = capture(functools.partial(self._redo_linear_states, keep))
-            except RuntimeError as e:
-                torch.cuda.synchronize()
-                log.warning("decode walk: the rollback's CUDA graph failed to capture (%s: %s); this walk "
-                            "rolls back without graphs", type(e).__name__, e)  # fmt: skip
+            redo = functools.partial(self._redo_linear_states, keep)
+            captured = try_capture(redo, "the rollback", "this walk rolls back without graphs")
+            if captured is None:
                 self._redo_graphed = False  # the verify graph stays
                 self._redo_linear_states(keep)
                 return
+            graph = captured[0]
             self._redo_graphs[keep] = graph
         graph.replay()
 
