@@ -57,12 +57,13 @@ if want target; then
   tar czf "$OUT/target-traces.tgz" -C /var/tmp target-traces 2>/dev/null
 fi
 # Every GPU-marked test in one call (-v: each test's name is printed when it starts, so one that outlives the
-# limit is named below). 480 s: the tests took 150 s for the first 9 of them on one H200.
+# limit is named below). 600 s: on an H100 the 25 tests took 402 s with four of them failing early, and those
+# four take 92 s when they pass (docs/benchmarks.md, GPU tests).
 if want gputests; then
   # shellcheck disable=SC2086  # GPU_TESTS: a list of test paths (default: all of them)
-  run gputests "${GPU_TESTS_LIMIT:-480}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=15 ${GPU_TESTS:-trainer/tests}
+  run gputests "${GPU_TESTS_LIMIT:-600}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=15 ${GPU_TESTS:-trainer/tests}
   last=$(grep -E '^trainer/tests/.*::' "$OUT/gputests.log" | tail -n 1)
   if [ -n "$last" ] && ! grep -qE '(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' <<<"$last"; then
-    echo "=== gputests: timed out in ${last%% *} (the limit: GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-480} s)"
+    echo "=== gputests: timed out in ${last%% *} (the limit: GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-600} s)"
   fi
 fi

@@ -26,7 +26,7 @@ start)
     lscpu | grep -E "^(Model name|Socket|Core|Thread|L3|NUMA node\(s\))" | sed "s/^/host: /"
     bench_on() { [[ " ${SESSION_BENCHES:-drafter target load specforge} " == *" $1 "* ]]; }
     echo "=== GPU tests ($(date -u +%T))"
-    timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
+    timeout 600 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-trainer/tests} 2>&1 | tail -n 30
     # the loader first, on an idle host: after a rehearsal (60 GB left in /dev/shm, ~100 GB of checkpoints
     # just written) it gives 15-21 GB/s against 45 (docs/journal.md)
     if bench_on load; then
