@@ -43,9 +43,8 @@ class WalkSettings:
     # The target's cache and verify forward, and the drafter's context: "graph" (CUDA graphs over static
     # buffers; "static" off CUDA), "static" or "dynamic" (target_cache.py, draft_runner.py).
     cache: CacheKind = "graph"
-    draft: CacheKind | None = (
-        None  # the drafter's kind when it differs from `cache` (benchmarks compare them)
-    )
+    # The drafter's kind when it differs from `cache` (bench_walk compares them); None: `cache`'s.
+    draft: CacheKind | None = None
 
 
 @dataclass
