@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -74,7 +74,7 @@ def phase_timers(calls: dict[str, list[float]]) -> Iterator[None]:
             setattr(cache, name, originals[name])
 
 
-KINDS = ("graph", "static", "dynamic")
+KINDS = get_args(target_cache.CacheKind)
 
 
 def _variant(text: str) -> str:

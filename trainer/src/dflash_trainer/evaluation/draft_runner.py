@@ -24,17 +24,15 @@ the norms keep their fp32 weights, as under autocast.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from dflash_trainer.evaluation.cuda_graph import try_capture
+from dflash_trainer.evaluation.target_cache import CacheKind
 from dflash_trainer.method.mask import block_attention_mask
-from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
-
-DraftKind = Literal["graph", "static", "dynamic"]
+from dflash_trainer.model.drafter import SLIDING, DFlashDrafter, DrafterSpec
 
 
 def draft_block(
@@ -43,11 +41,11 @@ def draft_block(
     """Greedy guesses Long[1, N-1] for block slots 1..N-1: one block anchored after the whole context."""
     ctx_len = context.shape[1]
     anchors = torch.tensor([[ctx_len]], device=context.device)
-    return _guesses(drafter, drafter, embed, head, context, block, anchors)
+    return _guesses(drafter.spec, drafter, embed, head, context, block, anchors)
 
 
 def _guesses(
-    drafter: DFlashDrafter,
+    spec: DrafterSpec,
     forward: Callable[..., torch.Tensor],
     embed: nn.Module,
     head: nn.Module,
@@ -58,7 +56,6 @@ def _guesses(
     """The guesses of `forward` (the drafter, or the drafter with other weights) with the block anchored at
     `anchors` (Long[1, 1], on the device) in a context of context.shape[1] keys; the keys at and past the
     anchor are hidden."""
-    spec = drafter.spec
     ctx_len, n = context.shape[1], block.shape[1]
     valid = torch.ones_like(anchors, dtype=torch.bool)
     masks = {
@@ -95,14 +92,14 @@ class DraftRunner:
         embed: nn.Module,
         head: nn.Module,
         *,
-        kind: DraftKind,
+        kind: CacheKind,
         max_context: int,
         block_size: int,
     ) -> None:
         device = next(embed.parameters()).device
         if kind == "graph" and device.type != "cuda":
             kind = "static"
-        self.kind: DraftKind = kind
+        self.kind: CacheKind = kind
         self.drafter, self.embed, self.head = drafter, embed, head
         self.max_context, self.block_size = max_context, block_size
         self.length = 0
@@ -163,7 +160,7 @@ class DraftRunner:
     def _run_buffers(self) -> torch.Tensor:
         assert self._context is not None
         return _guesses(
-            self.drafter, self._forward, self.embed, self.head, self._context, self._ids, self._anchor
+            self.drafter.spec, self._forward, self.embed, self.head, self._context, self._ids, self._anchor
         )
 
     def _captured(self) -> bool:

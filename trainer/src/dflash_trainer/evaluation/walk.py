@@ -20,7 +20,6 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -225,8 +224,7 @@ def decode_walk(
         target = TargetCache(
             model, settings.rollback, kind=settings.cache, max_len=max_len, block_size=block_size
         )
-        lm: Any = model  # a transformers causal LM (typed loosely: nn.Module hides its methods)
-        embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
         runner = DraftRunner(
             draft,
             embed,
