@@ -158,4 +158,4 @@ def test_graph_replays_equal_guesses_over_the_context_on_cuda(parts) -> None:
     # The first full block runs eagerly (kernels, autotune), the second captures, the rest replay.
     assert _steps(runner, drafter, embed, head, 12, [1, 4, 2, 4, 3, 1], g, "cuda") == 6
     assert _steps(runner, drafter, embed, head, 5, [4, 1, 3], g, "cuda") == 3
-    assert runner.kind == "graph" and runner._graph is not None
+    assert runner.kind == "graph" and runner._graphed.captured

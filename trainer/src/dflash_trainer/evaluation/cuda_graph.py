@@ -1,16 +1,19 @@
-"""One CUDA graph capture for the decode walk's forwards (the target's verify, the drafter's guesses)."""
+"""One CUDA graph capture for the decode walk's forwards (the target's verify, its rollback, the drafter's
+guesses), and `Graphed`: the sequence each of them follows (eager once, captured, replayed, eager for good
+after a capture error)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Around = Callable[[], contextlib.AbstractContextManager[object]]
 
 
 def capture(
@@ -50,3 +53,35 @@ def try_capture(
             "decode walk: %s's CUDA graph failed to capture (%s: %s); %s", what, type(e).__name__, e, without
         )
         return None
+
+
+class Graphed(Generic[T]):
+    """`run` (a forward over buffers that keep their addresses) from a CUDA graph once it can be: its first
+    call runs eagerly (its kernels compile and autotune, cuBLAS picks its algorithms), its second captures,
+    every later one replays. After a capture error it runs eagerly for good (`failed`), said once in the log
+    (`what`, `without`: try_capture's). The outputs of a replay are the graph's own tensors, refreshed by the
+    next replay."""
+
+    def __init__(self, run: Callable[[], T], what: str, without: str) -> None:
+        self.run, self.what, self.without = run, what, without
+        self.failed = False
+        self._captured: tuple[torch.cuda.CUDAGraph, T] | None = None
+        self._ran = False
+
+    @property
+    def captured(self) -> bool:
+        return self._captured is not None
+
+    def __call__(self, around: Around | None = None) -> T:
+        """One run. `around()` is entered around an eager run and around the capture, not a replay."""
+        enter = around or contextlib.nullcontext
+        if self._captured is None and self._ran and not self.failed:
+            self._captured = try_capture(self.run, self.what, self.without, enter())
+            self.failed = self._captured is None
+        if self._captured is not None:
+            graph, out = self._captured
+            graph.replay()
+            return out
+        self._ran = True
+        with enter():
+            return self.run()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dflash_trainer.evaluation.cuda_graph import try_capture
+from dflash_trainer.evaluation.cuda_graph import Graphed
 from dflash_trainer.evaluation.target_cache import CacheKind
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.drafter import SLIDING, DFlashDrafter, DrafterSpec
@@ -106,9 +106,7 @@ class DraftRunner:
         self._context: torch.Tensor | None = None  # dynamic: the features so far; static: the buffer
         self._anchor = torch.zeros(1, 1, dtype=torch.long, device=device)  # static: the context's length
         self._ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
-        self._warmed = False
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_out: torch.Tensor | None = None
+        self._graphed = Graphed(self._run_buffers, "the drafter", "this walk's drafter goes on without it")
         self._weights = cast_linear_weights(drafter) if kind != "dynamic" else {}
 
     def start(self, features: torch.Tensor) -> None:
@@ -144,12 +142,12 @@ class DraftRunner:
             return draft_block(self.drafter, self.embed, self.head, self._context[:, : self.length], block)
         self._ids.copy_(block)
         self._anchor.fill_(self.length)
-        if self.kind == "graph" and self._warmed and self._captured():
-            assert self._graph is not None and self._graph_out is not None
-            self._graph.replay()
-            return self._graph_out
-        self._warmed = True  # kernels ran once (autotune, cuBLAS) before a capture
-        return self._run_buffers()
+        if self.kind != "graph":
+            return self._run_buffers()
+        out = self._graphed()
+        if self._graphed.failed:  # said once in the log; the drafter goes on over the buffer
+            self.kind = "static"
+        return out
 
     def _forward(self, *args: torch.Tensor | dict[str, object]) -> torch.Tensor:
         if not self._weights:
@@ -162,15 +160,3 @@ class DraftRunner:
         return _guesses(
             self.drafter.spec, self._forward, self.embed, self.head, self._context, self._ids, self._anchor
         )
-
-    def _captured(self) -> bool:
-        """Whether the graph is there, captured now if not. A capture that fails leaves the walk's drafter
-        on the static forward, said once in the log."""
-        if self._graph is not None:
-            return True
-        captured = try_capture(self._run_buffers, "the drafter", "this walk's drafter goes on without it")
-        if captured is None:
-            self.kind = "static"
-            return False
-        self._graph, self._graph_out = captured
-        return True

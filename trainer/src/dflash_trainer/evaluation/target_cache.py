@@ -38,7 +38,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from dflash_trainer.evaluation.cuda_graph import try_capture
+from dflash_trainer.evaluation.cuda_graph import Graphed
 from dflash_trainer.model.kernels import DELTA_RULE_OPS
 
 RECURRENT_OP = "torch_recurrent_gated_delta_rule"
@@ -150,12 +150,9 @@ class TargetCache:
         self._conv_inputs: dict[int, torch.Tensor] = {}
         self._calls: list[_DeltaRuleCall] = []
         self._recording = False
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_out: _VerifyOutput | None = None
-        self._warmed = False
+        self._graphed = Graphed(self._run_buffers, "the verify forward", "this walk goes on without graphs")
         self._verified = 0  # tokens the last verify forward ran (a padded block's included)
-        self._redo_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the recorded rollback by kept length
-        self._redo_seen: set[int] = set()
+        self._redo_graphs: dict[int, Graphed[None]] = {}  # the recorded rollback by kept length
         self._redo_graphed = True  # until a rollback graph fails to capture
         if kind == "dynamic":
             self._new_cache(DynamicCache(config=self.config))
@@ -174,7 +171,6 @@ class TargetCache:
         self.cache = cache
         self._saved = []  # the snapshot's buffers, made at this cache's first verify
         self._redo_graphs.clear()
-        self._redo_seen.clear()
         layers = cache.layers
         if any(isinstance(layer, DynamicSlidingWindowLayer | StaticSlidingWindowLayer) for layer in layers):
             raise ValueError("the decode walk cannot roll back a sliding-window target cache")
@@ -216,18 +212,32 @@ class TargetCache:
         self._verified = block.shape[1]
         if self.linear:
             self.snapshot()
-        record = bool(self.linear) and self.rollback_mode == "recorded"
-        if static and self.kind == "graph" and self._warmed and self._captured(record):
-            return _first(self._graph_verify(block), size)
-        if record:
-            self._conv_inputs, self._calls = {}, []
-        with self._recorded() if record else contextlib.nullcontext():
-            out = self._static_verify(block) if static else self.forward(block)
-        self._warmed |= static  # kernels (Triton autotuning, cuBLAS) ran once before a capture
+        # Recording (the recorded rollback's inputs) happens at an eager run and at the capture; a replay
+        # refreshes the tensors its capture recorded.
+        # The recorded rollback's inputs are recorded at an eager run and at the capture; each replay
+        # refreshes the tensors its capture recorded.
+        records = bool(self.linear) and self.rollback_mode == "recorded"
+        recording = self._recorded if records else contextlib.nullcontext
+        if not static:
+            with recording():
+                out = self.forward(block)
+        else:
+            self._fill(block)
+            if self.kind == "graph":
+                out = self._graphed(recording)
+                if self._graphed.failed:  # said once in the log; the walk goes on over the static cache
+                    self.kind = "static"
+            else:
+                with recording():
+                    out = self._run_buffers()
+            self.length += block.shape[1]
         return _first(_VerifyOutput(out.logits, tuple(out.hidden_states)), size)
 
     @contextlib.contextmanager
     def _recorded(self) -> Iterator[None]:
+        """Records the forward run inside (each linear layer's conv input and delta-rule call), in place of
+        the last forward's."""
+        self._conv_inputs, self._calls = {}, []
         self._recording, recorder.calls = True, self._calls
         try:
             yield
@@ -260,38 +270,6 @@ class TargetCache:
             use_cache=True,
             output_hidden_states=True,
         )
-
-    def _static_verify(self, block: torch.Tensor) -> Any:
-        self._fill(block)
-        out = self._run_buffers()
-        self.length += block.shape[1]
-        return out
-
-    def _captured(self, record: bool) -> bool:
-        """Whether the verify graph is there, captured now if not (recording once, at its capture: what it
-        keeps, the conv inputs and delta-rule calls, are the graph's own tensors, refreshed by each replay). A
-        capture that fails leaves the walk on the static cache without graphs, said once in the log."""
-        if self._graph is not None:
-            return True
-        self._conv_inputs, self._calls = {}, []
-        recording = self._recorded() if record else None
-        captured = try_capture(
-            self._run_buffers, "the verify forward", "this walk goes on without graphs", recording
-        )
-        if captured is None:
-            self.kind = "static"
-            return False
-        graph, out = captured
-        self._graph = graph
-        self._graph_out = _VerifyOutput(out.logits, tuple(out.hidden_states))
-        return True
-
-    def _graph_verify(self, block: torch.Tensor) -> _VerifyOutput:
-        assert self._graph is not None and self._graph_out is not None
-        self._fill(block)
-        self._graph.replay()
-        self.length += block.shape[1]
-        return self._graph_out
 
     def snapshot(self) -> None:
         """Copies the fixed-size linear-attention states (cheap); attention KV is rolled back by cutting. The
@@ -363,24 +341,18 @@ class TargetCache:
         """The recorded rollback; after a graphed verify, from one CUDA graph per kept length (its first
         time eagerly: FLA's recurrent kernel compiles then). Its inputs (the verify graph's recorded
         tensors, the snapshot buffers) and outputs (the cache's states) keep their addresses."""
-        if self._graph is None or not self._redo_graphed:
+        if not self._graphed.captured or not self._redo_graphed:
             self._redo_linear_states(keep)
             return
-        graph = self._redo_graphs.get(keep)
-        if graph is None:
-            if keep not in self._redo_seen:
-                self._redo_seen.add(keep)
-                self._redo_linear_states(keep)
-                return
-            redo = functools.partial(self._redo_linear_states, keep)
-            captured = try_capture(redo, "the rollback", "this walk rolls back without graphs")
-            if captured is None:
-                self._redo_graphed = False  # the verify graph stays
-                self._redo_linear_states(keep)
-                return
-            graph = captured[0]
-            self._redo_graphs[keep] = graph
-        graph.replay()
+        redo = self._redo_graphs.get(keep)
+        if redo is None:
+            redo = self._redo_graphs[keep] = Graphed(
+                functools.partial(self._redo_linear_states, keep),
+                "the rollback",
+                "this walk rolls back without graphs",
+            )
+        redo()
+        self._redo_graphed = not redo.failed  # the verify graph stays either way
 
     def _redo_linear_states(self, keep: int) -> None:
         """Each linear layer's states after the block's first `keep` tokens, from its states before the block
