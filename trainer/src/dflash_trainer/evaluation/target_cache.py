@@ -283,13 +283,15 @@ class TargetCache:
                 )
                 for layer in self.linear
             ]
+        saved: list[torch.Tensor] = []
+        live: list[torch.Tensor] = []
         for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
-            for i, s in conv.items():
-                s.copy_(layer.conv_states[i])
-            for i, s in rec.items():
-                s.copy_(layer.recurrent_states[i])
+            saved += [*conv.values(), *rec.values()]
+            live += [*(layer.conv_states[i] for i in conv), *(layer.recurrent_states[i] for i in rec)]
             prev.clear()
             prev.update(layer.has_previous_state)
+        # One launch for every state (about 100 for the 27B target: 0.7 ms of host time a step one by one).
+        torch._foreach_copy_(saved, live)
 
     def _cut_attention(self, length: int) -> None:
         for layer in self.attention:
