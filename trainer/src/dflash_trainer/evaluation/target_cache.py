@@ -283,15 +283,20 @@ class TargetCache:
                 )
                 for layer in self.linear
             ]
-        saved: list[torch.Tensor] = []
-        live: list[torch.Tensor] = []
+        # One launch per dtype for every state (about 100 for the 27B target: 0.7 ms of host time a step one
+        # by one); foreach's fused kernel needs one dtype a call, else it copies one by one.
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for layer, (conv, rec, prev) in zip(self.linear, self._saved, strict=True):
-            saved += [*conv.values(), *rec.values()]
-            live += [*(layer.conv_states[i] for i in conv), *(layer.recurrent_states[i] for i in rec)]
+            pairs = [(s, layer.conv_states[i]) for i, s in conv.items()]
+            pairs += [(s, layer.recurrent_states[i]) for i, s in rec.items()]
+            for saved, live in pairs:
+                lists = by_dtype.setdefault(saved.dtype, ([], []))
+                lists[0].append(saved)
+                lists[1].append(live)
             prev.clear()
             prev.update(layer.has_previous_state)
-        # One launch for every state (about 100 for the 27B target: 0.7 ms of host time a step one by one).
-        torch._foreach_copy_(saved, live)
+        for saved_states, live_states in by_dtype.values():
+            torch._foreach_copy_(saved_states, live_states)
 
     def _cut_attention(self, length: int) -> None:
         for layer in self.attention:
