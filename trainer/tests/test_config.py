@@ -58,6 +58,20 @@ def test_defaults_resolve_against_the_target(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "sections", [{}, {"train": {"keep_last": 2}}], ids=["no [train]", "[train] without it"]
+)
+def test_the_default_checkpoint_dir_resolves_against_the_toml_not_the_cwd(tmp_path, monkeypatch, sections):
+    """An unset train.checkpoint_dir is "checkpoints" beside the TOML, as a relative value would be: a unit's
+    working directory (or a shell's) must not decide where the run's checkpoints go."""
+    (tmp_path / "run").mkdir()
+    config = write_config(tmp_path / "run", sections)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_config(config).train.checkpoint_dir == (tmp_path / "run" / "checkpoints").resolve()
+
+
+@pytest.mark.parametrize(
     ("sections", "expected"),
     [
         ({"drafter": {"block_size": 1}}, "drafter.block_size: must be >= 2, got 1"),

@@ -243,6 +243,8 @@ def _build(cls: type, table: Any, prefix: str, base: Path) -> Any:
                 kwargs[name] = _convert(key, table[name], tp, base)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(key, "required")
+        elif isinstance(f.default, Path):  # a relative default resolves as a relative value would
+            kwargs[name] = _convert(key, str(f.default), Path, base)
     return cls(**kwargs)
 
 
@@ -259,6 +261,8 @@ def parse_config(table: dict[str, Any], *, base: Path) -> TrainConfig:
             kwargs[name] = _build(hints[name], table[name], name, base)
         elif name in ("model", "drafter", "data"):
             raise ConfigError(name, "required section missing")
+        else:  # every default, resolved as in a table that sets none
+            kwargs[name] = _build(hints[name], {}, name, base)
     return TrainConfig(**kwargs)
 
 
