@@ -10,6 +10,7 @@
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
+#              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such)
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
 #              then with it removed (an idle host)
@@ -53,8 +54,13 @@ start)
     fi
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"
+      # PREFLIGHT_LAYERS=8 on an 80 GB GPU: the 27B target and the drafter training do not fit one card, so the
+      # cut target of preflight, with the context layers of the drafter inside it (figures labelled as such).
+      cut=()
+      [ -n "${PREFLIGHT_LAYERS:-}" ] && cut=(--layers "$PREFLIGHT_LAYERS" --target-dir "/dev/shm/dflash/model-$PREFLIGHT_LAYERS"
+        --set "drafter.target_layer_ids=[$(seq -s, 1 2 $((PREFLIGHT_LAYERS - 1)) | cut -d, -f1-5)]")
       OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
-        --stop-at 15 2>&1 | grep -v "^Loading weights" | tail -n 60
+        --stop-at 15 "${cut[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 60
       grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   triton" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
     fi
     if want target; then
