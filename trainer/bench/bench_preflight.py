@@ -1,7 +1,8 @@
 """`dflash-train preflight` as the unit runs it, timed at the reference shape: cold (empty compile caches and
-no kept verdicts), warm (the same caches again), and with a failing cheap check (a shards directory that is
-not there). `--before DIR` runs the same sequence with another copy of the trainer's source first (an earlier
-commit's `trainer/src`), side by side in one run. Figures, no assertions.
+no kept verdicts), warm (the same caches again), with a failing cheap check (a shards directory that is
+not there), and cold again with the FLA probe's autotune candidates compiled at once (cold-parallel).
+`--before DIR` runs the same sequence with another copy of the trainer's source first (an earlier commit's
+`trainer/src`), side by side in one run. Figures, no assertions.
 
     python trainer/bench/bench_preflight.py [--target /dev/shm/dflash/model] [--before .old/trainer/src]
         [--out preflight.json]
@@ -26,8 +27,10 @@ from dflash_trainer.config import load_config
 from dflash_trainer.service.rehearse import CLI, REPO_CONFIG, stage_target, write_config, write_shards
 
 
-def run_preflight(config: Path, source: Path | None, caches: Path) -> dict[str, Any]:
-    env = os.environ | {
+def run_preflight(
+    config: Path, source: Path | None, caches: Path, extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    env = os.environ | (extra or {}) | {
         "XDG_CACHE_HOME": str(caches),
         "TRITON_CACHE_DIR": str(caches / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
@@ -41,6 +44,15 @@ def run_preflight(config: Path, source: Path | None, caches: Path) -> dict[str, 
     seconds = time.perf_counter() - start
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     return {"seconds": round(seconds, 2), "rc": proc.returncode, "lines": lines[-16:]}
+
+
+def timed(
+    label: str, run: str, config: Path, source: Path | None, caches: Path, extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    figures = run_preflight(config, source, caches, extra)
+    print(f"preflight {label} {run}: {figures['seconds']:.1f} s, exit {figures['rc']}")
+    print("\n".join(f"  {line}" for line in figures["lines"]))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,11 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, source in versions:
         caches = Path(tempfile.mkdtemp(prefix=f"preflight-caches-{label}-", dir="/var/tmp"))
         for run, config in (("cold", good), ("warm", good), ("failing-shards", bad)):
-            figures = run_preflight(config, source, caches)
-            result[f"{label}/{run}"] = figures
-            print(f"preflight {label} {run}: {figures['seconds']:.1f} s, exit {figures['rc']}")
-            print("\n".join(f"  {line}" for line in figures["lines"]))
+            result[f"{label}/{run}"] = timed(label, run, config, source, caches)
         shutil.rmtree(caches, ignore_errors=True)
+    # Cold again with fresh caches, the FLA probe's autotune candidates compiled at once on threads
+    # (service/autotune_compile.py), beside "after/cold" above.
+    caches = Path(tempfile.mkdtemp(prefix="preflight-caches-parallel-", dir="/var/tmp"))
+    workers = {"DFLASH_PROBE_COMPILE_WORKERS": str(os.cpu_count() or 1)}
+    result["after/cold-parallel"] = timed("after", "cold-parallel", good, None, caches, workers)
+    shutil.rmtree(caches, ignore_errors=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
