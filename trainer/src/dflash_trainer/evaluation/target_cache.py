@@ -212,8 +212,6 @@ class TargetCache:
         self._verified = block.shape[1]
         if self.linear:
             self.snapshot()
-        # Recording (the recorded rollback's inputs) happens at an eager run and at the capture; a replay
-        # refreshes the tensors its capture recorded.
         # The recorded rollback's inputs are recorded at an eager run and at the capture; each replay
         # refreshes the tensors its capture recorded.
         records = bool(self.linear) and self.rollback_mode == "recorded"
