@@ -30,7 +30,9 @@ from dflash_trainer.service.rehearse import CLI, REPO_CONFIG, stage_target, writ
 def run_preflight(
     config: Path, source: Path | None, caches: Path, extra: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    env = os.environ | (extra or {}) | {
+    env = {
+        **os.environ,
+        **(extra or {}),
         "XDG_CACHE_HOME": str(caches),
         "TRITON_CACHE_DIR": str(caches / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
