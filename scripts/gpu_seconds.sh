@@ -55,10 +55,9 @@ start)
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"
       # PREFLIGHT_LAYERS=8 on an 80 GB GPU: the 27B target and the drafter training do not fit one card, so the
-      # cut target of preflight, with the context layers of the drafter inside it (figures labelled as such).
+      # cut target of preflight (rehearse puts the context layers of the drafter inside it; figures labelled).
       cut=()
-      [ -n "${PREFLIGHT_LAYERS:-}" ] && cut=(--layers "$PREFLIGHT_LAYERS" --target-dir "/dev/shm/dflash/model-$PREFLIGHT_LAYERS"
-        --set "drafter.target_layer_ids=[$(seq -s, 1 2 $((PREFLIGHT_LAYERS - 1)) | cut -d, -f1-5)]")
+      [ -n "${PREFLIGHT_LAYERS:-}" ] && cut=(--layers "$PREFLIGHT_LAYERS" --target-dir "/dev/shm/dflash/model-$PREFLIGHT_LAYERS")
       OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
         --stop-at 15 "${cut[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 60
       grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   triton" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20

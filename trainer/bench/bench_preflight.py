@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import load_config
-from dflash_trainer.service.rehearse import CLI, REPO_CONFIG, stage_target, write_config, write_shards
+from dflash_trainer.service.rehearse import (
+    CLI,
+    REPO_CONFIG,
+    cut_context_layers,
+    stage_target,
+    write_config,
+    write_shards,
+)
 
 
 def run_preflight(
@@ -70,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     stage_target(args.target, args.shape, args.layers)
-    # A cut target: the drafter's context layers within it (the reference's 1, 16, 31, 46, 61 are not).
-    layers = {"drafter.target_layer_ids": list(range(1, args.layers, 2))[:5]} if args.layers else {}
+    layers = {"drafter.target_layer_ids": cut_context_layers(args.layers)} if args.layers else {}
     # Two checkpoints' room, not the reference's four: a lent machine's 64 GB disk would fail the disk check
     # first, and the probes would not run (measured: 63.8 GiB free against 103.1 GiB).
     layers["train.keep_last"] = 1

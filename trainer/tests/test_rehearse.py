@@ -86,3 +86,17 @@ def test_the_fault_scenario_expects_the_resume_from_the_newest_checkpoint_on_dis
     for name in ("step-00000006", "step-00000012", ".tmp-step-00000018-4242"):
         (checkpoints / name).mkdir(parents=True)
     assert _newest_checkpoint_step(config) == 12
+
+
+def test_a_cut_target_gets_context_layers_inside_it_unless_set() -> None:
+    """The reference's context layers (1, 16, 31, 46, 61) are outside a target cut to 8 or 16 layers: --layers
+    puts every other layer from 1 (at most five) in their place; an explicit --set wins."""
+    from dflash_trainer.service.rehearse import config_overrides
+
+    assert config_overrides([], 8) == {"drafter.target_layer_ids": [1, 3, 5, 7]}
+    assert config_overrides([("train.keep_last", 1)], 16) == {
+        "train.keep_last": 1,
+        "drafter.target_layer_ids": [1, 3, 5, 7, 9],
+    }
+    assert config_overrides([("drafter.target_layer_ids", [2, 4])], 8) == {"drafter.target_layer_ids": [2, 4]}
+    assert config_overrides([("train.keep_last", 1)], None) == {"train.keep_last": 1}

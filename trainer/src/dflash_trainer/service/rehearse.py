@@ -338,6 +338,20 @@ def stage_target(path: Path, shape: str, layers: int | None) -> float:
     return time.time() - start
 
 
+def cut_context_layers(layers: int) -> list[int]:
+    """The drafter's context layers inside a target cut to its first `layers` (the reference's 1, 16, 31, 46,
+    61 are not): every other layer from 1, at most five."""
+    return list(range(1, layers, 2))[:5]
+
+
+def config_overrides(given: Sequence[tuple[str, object]], layers: int | None) -> dict[str, object]:
+    """--set's overrides, and for a target cut by --layers its context layers, unless --set names them."""
+    overrides = dict(given)
+    if layers:
+        overrides.setdefault("drafter.target_layer_ids", cut_context_layers(layers))
+    return overrides
+
+
 def write_shards(path: Path, *, vocab: int, mask_id: int, seq_len: int, rows: int, shards: int) -> None:
     """Random-token rows (a quarter prompt, the rest supervised) below the mask id, with a manifest."""
     import numpy as np
@@ -396,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_trainer.service.rehearse", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="state: config, checkpoints, logs, figures")
     parser.add_argument("--shape", default="qwen3.6-27b")
-    parser.add_argument("--layers", type=int, help="target layers to keep (default: all)")
+    parser.add_argument(
+        "--layers", type=int, help="target layers to keep (default: all); the drafter's context layers follow"
+    )
     parser.add_argument("--target-dir", type=Path, default=Path("/dev/shm/dflash/model"))
     parser.add_argument("--shards-dir", type=Path, default=None, help="default: OUT/shards")
     parser.add_argument("--config", type=Path, default=REPO_CONFIG, help="the configuration to rehearse")
@@ -436,8 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     figures["target_write_s"] = stage_target(args.target_dir, args.shape, args.layers)
     shards = (args.shards_dir or out / "shards").resolve()
+    overrides = config_overrides(args.overrides, args.layers)
     config = write_config(
-        args.config, out, target=args.target_dir, shards=shards, world=world, overrides=dict(args.overrides)
+        args.config, out, target=args.target_dir, shards=shards, world=world, overrides=overrides
     )
     from dflash_trainer.config import load_config, read_target_info
 
