@@ -1,10 +1,14 @@
-"""configs_compiled_at_once around Triton's own Autotuner and AsyncCompileMode. No GPU here: the kernel stands
-in for a JITFunction the way Triton's `_do_compile` treats one under AsyncCompileMode (it submits the compile
-to the mode's executor and hands back a FutureKernel that the mode finalizes at its exit)."""
+"""configs_compiled_at_once and tallied around Triton's own Autotuner and AsyncCompileMode. No GPU here:
+the kernel stands in for a JITFunction the way Triton's `_do_compile` treats one under AsyncCompileMode (it
+submits the compile to the mode's executor and hands back a FutureKernel that the mode finalizes at its
+exit), and the autotuner's timing (triton.testing.do_bench) is a stand-in that calls the kernel as do_bench
+does. The kernel is launched as FLA launches its kernels, with keyword arguments
+(`kernel[grid](q=q, ...)`)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -12,8 +16,14 @@ triton = pytest.importorskip("triton")
 from triton import Config  # noqa: E402
 from triton.runtime import _async_compile  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from dflash_trainer.service.autotune_compile import configs_compiled_at_once, workers_from_env  # noqa: E402
+from dflash_trainer.service.autotune_compile import (  # noqa: E402
+    AutotuneTally,
+    configs_compiled_at_once,
+    tallied,
+    workers_from_env,
+)
 
 
 def _kernel_body(x, n, B):  # the base function Autotuner looks for under `.fn`
@@ -27,22 +37,24 @@ class StandInKernel:
     fn = staticmethod(_kernel_body)
     arg_names = ("x", "n")
 
-    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+    def __init__(self, fail: frozenset[int] = frozenset(), compile_s: float = 0.0) -> None:
         self.compiled: dict[tuple, str] = {}  # config -> thread that compiled it
         self.finalized: list[tuple] = []
         self.runs: list[dict] = []
         self.fail = fail
+        self.compile_s = compile_s
 
     def run(self, *args, grid, warmup, **kwargs):
         key = (kwargs["B"], kwargs.get("num_warps"))
         self.runs.append({"warmup": warmup, **kwargs})
-        if kwargs["B"] in self.fail:
-            raise ValueError("cannot specialize")
+        if kwargs["B"] in self.fail:  # as ptxas reports a config past the shared memory
+            raise OutOfResources(300000, 232448, "shared memory")
         if key in self.compiled:
             return key
         mode = _async_compile.active_mode.get()
 
         def compile_():
+            time.sleep(self.compile_s)
             self.compiled[key] = threading.current_thread().name
             return key
 
@@ -51,40 +63,95 @@ class StandInKernel:
         return mode.submit(key, compile_, self.finalized.append)
 
 
+TIMING_S = 0.01
+
+
+def stand_in_do_bench(kernel_call, quantiles):
+    """triton.testing.do_bench's calls of the kernel, without a device: a few runs, then the timing."""
+    for _ in range(3):
+        kernel_call()
+    time.sleep(TIMING_S)
+    return [1.0, 1.0, 1.0]
+
+
 def _autotuner(kernel: StandInKernel) -> Autotuner:
     configs = [Config({"B": b}, num_warps=w) for b in (16, 32) for w in (4, 8)]
-    tuner = Autotuner(kernel, ["x", "n"], configs, ["n"], None, None)
-    tuner.nargs = {"x": "tensor", "n": 128}  # what Autotuner.run sets before it prunes
-    return tuner
+    return Autotuner(kernel, ["x", "n"], configs, ["n"], None, None, do_bench=stand_in_do_bench)
+
+
+def _launch(tuner: Autotuner) -> None:
+    """A launch as FLA writes it, `kernel[grid](x=x, n=n)`: every argument a keyword."""
+    tuner.run(grid=(1,), warmup=False, x="tensor", n=128)
 
 
 def test_every_candidate_is_compiled_on_the_pool_before_the_timing() -> None:
     kernel = StandInKernel()
-    tuner = _autotuner(kernel)
-    with configs_compiled_at_once(4):
-        configs = tuner.prune_configs({"grid": (1,), "warmup": False})
-        assert len(configs) == 4
-        # Done by the time prune returns: the mode's exit finalized every future.
-        assert sorted(kernel.finalized) == sorted(kernel.compiled) and len(kernel.compiled) == 4
+    tally = AutotuneTally()
+    with configs_compiled_at_once(4, tally):
+        _launch(_autotuner(kernel))
+    assert len(kernel.compiled) == 4 and sorted(kernel.finalized) == sorted(kernel.compiled)
     assert all(name.startswith("triton-compile") for name in kernel.compiled.values())
-    assert all(run["warmup"] is True for run in kernel.runs)  # compiled, never launched
-    assert Autotuner.prune_configs is not None and "prune_and_compile" not in Autotuner.prune_configs.__name__
+    warmups = [run["warmup"] for run in kernel.runs]
+    assert warmups[:4] == [True] * 4 and not any(warmups[4:])  # compiled first, launched after
+    assert tally.compiled_ahead == 4
+    assert "prune_and_compile" not in Autotuner.prune_configs.__name__
+
+
+def test_positional_arguments_are_compiled_ahead_too() -> None:
+    kernel = StandInKernel()
+    with configs_compiled_at_once(2):
+        _autotuner(kernel).run("tensor", 128, grid=(1,), warmup=False)
+    assert all(name.startswith("triton-compile") for name in kernel.compiled.values())
+    assert len(kernel.compiled) == 4
 
 
 def test_below_two_workers_nothing_changes() -> None:
     kernel = StandInKernel()
-    tuner = _autotuner(kernel)
     with configs_compiled_at_once(1):
-        assert len(tuner.prune_configs({"grid": (1,), "warmup": False})) == 4
-    assert kernel.runs == []
+        _launch(_autotuner(kernel))
+    assert not any(run["warmup"] for run in kernel.runs)
+    assert all(not name.startswith("triton-compile") for name in kernel.compiled.values())
 
 
 def test_a_config_that_fails_ahead_is_left_to_the_timing() -> None:
     kernel = StandInKernel(fail={32})
     tuner = _autotuner(kernel)
     with configs_compiled_at_once(2):
-        assert len(tuner.prune_configs({"grid": (1,), "warmup": False})) == 4
+        _launch(tuner)
     assert sorted(kernel.compiled) == [(16, 4), (16, 8)]
+    assert tuner.best_config.kwargs["B"] == 16  # the timing found the failing ones out of resources
+
+
+def test_the_tally_splits_first_calls_from_the_timing() -> None:
+    kernel = StandInKernel(compile_s=0.02)
+    tally = AutotuneTally()
+    synced: list[int] = []
+    original = Autotuner.__dict__["do_bench"]
+    with tallied(tally, lambda: synced.append(1)):
+        _launch(_autotuner(kernel))
+    assert Autotuner.__dict__["do_bench"] is original
+    assert tally.candidates == 4 and len(synced) == 4
+    assert tally.first_call_s >= 4 * 0.02  # each candidate's compile, in its first call
+    assert tally.timing_s >= 4 * TIMING_S
+    assert tally.summary().startswith("autotune: 4 candidates, their first calls ")
+
+
+def test_the_tally_counts_a_candidate_that_fails_to_compile() -> None:
+    kernel = StandInKernel(fail={32})
+    tally = AutotuneTally()
+    tuner = _autotuner(kernel)
+    with tallied(tally, lambda: None):
+        _launch(tuner)
+    assert tally.candidates == 4
+    assert tuner.best_config.kwargs["B"] == 16
+
+
+def test_the_summary_says_the_compiles_started_ahead() -> None:
+    tally = AutotuneTally(candidates=90, compiled_ahead=88, first_call_s=3.25, timing_s=11.0)
+    assert tally.summary() == (
+        "autotune: 90 candidates, 88 compiles started ahead on threads, their first calls 3.2 s, "
+        "timing 11.0 s"
+    )
 
 
 @pytest.mark.parametrize(("value", "workers"), [("", 0), ("0", 0), ("8", 8), (" 16 ", 16)])

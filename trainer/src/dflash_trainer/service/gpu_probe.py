@@ -125,12 +125,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.probe == "triton":
             print(f"ok: {probe_triton()}")
         else:
-            from dflash_trainer.service.autotune_compile import configs_compiled_at_once, workers_from_env
+            import torch
+
+            from dflash_trainer.service import autotune_compile as autotune
 
             shape = (args.key_heads, args.value_heads, args.key_dim, args.value_dim, args.conv, args.tokens)
             forms = [heads_form(args.model_type)] if args.model_type else ["grouped", "repeated"]
-            with configs_compiled_at_once(workers_from_env()):
-                print(f"ok: {probe_fla(*shape, forms)}")
+            tally = autotune.AutotuneTally()
+            at_once = autotune.configs_compiled_at_once(autotune.workers_from_env(), tally)
+            with autotune.tallied(tally, torch.cuda.synchronize), at_once:
+                ran = probe_fla(*shape, forms)
+            print(f"ok: {ran}; {tally.summary()}")
     except BaseException as e:  # any failure is the probe's finding, reported as one line
         traceback.print_exc()
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
