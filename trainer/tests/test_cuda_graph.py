@@ -6,6 +6,8 @@ walk (test_walk.py, test_draft_runner.py) run the real capture."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -82,3 +84,83 @@ def test_a_capture_error_leaves_it_eager_and_says_so_once(events, monkeypatch, c
         "decode walk: the forward's CUDA graph failed to capture (RuntimeError: operation not permitted "
         "when stream is capturing); it runs eagerly"
     ]
+
+
+def test_a_released_graph_is_dropped_and_starts_over(events) -> None:
+    graphed = Graphed(_forward(events), "the forward", "it runs eagerly")
+    graphed(), graphed()
+    assert graphed._captured is not None
+    graph = weakref.ref(graphed._captured[0])
+    graphed.release()
+    assert graph() is None and not graphed.captured  # gone now, not at a later collection
+    assert graphed() == "out 4" and not graphed.captured  # eager again, then captured again
+    graphed()
+    assert graphed.captured and events[-2:] == ["capture", "run"]
+
+
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    """torch.cuda.graph stood in: it notes whether the cyclic collector was on while it captured."""
+    collector_on: list[bool] = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, capture_error_mode):
+        collector_on.append(gc.isenabled())
+        yield
+        collector_on.append(gc.isenabled())
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return collector_on
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_collector_is_off_while_capturing(stand_in_capture, enabled_before) -> None:
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        graph, out = cuda_graph.capture(lambda: gc.isenabled())
+        after = gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert isinstance(graph, _Graph) and out is False
+    assert stand_in_capture == [False, False] and after is enabled_before
+
+
+def test_the_collector_is_back_on_after_a_capture_error(stand_in_capture) -> None:
+    def fails() -> None:
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    assert gc.isenabled()
+    assert cuda_graph.try_capture(fails, "the forward", "it runs eagerly") is None
+    assert gc.isenabled() and stand_in_capture == [False]
+
+
+class _Cycle:
+    """A dead graph kept by a reference cycle, as a finished walk's caches keep theirs until a collection."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.me = graph, self
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_collection_during_a_capture_does_not_break_it() -> None:
+    """The real capture, with the collector set to run at every allocation: the dead graph it finds is not
+    destroyed inside the capture (pytorch/pytorch#161037's failure)."""
+    x = torch.ones(4, device="cuda")
+    dead, _out = cuda_graph.capture(lambda: x * 2)
+    _Cycle(dead)
+    del dead, _out
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        captured = cuda_graph.try_capture(lambda: [x + i for i in range(64)][-1], "the test", "it fails")
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+    assert captured is not None
+    graph, out = captured
+    graph.replay()
+    assert torch.equal(out, x + 63)

@@ -7,6 +7,7 @@ rejections: both happen many times in every walk below.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,3 +268,34 @@ def test_a_drafter_compiled_for_training_walks_eagerly(trained) -> None:
     assert counters["frames"]["total"] == frames  # dynamo never ran
     plain = decode_walk(t.target.model, t.drafter, t.prompts[:2], settings)
     assert [w.acceptance_lengths for w in walked.walks] == [w.acceptance_lengths for w in plain.walks]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_walk_releases_its_graphs_at_its_end(trained, monkeypatch, fails: bool) -> None:
+    """The verify's, the rollbacks' and the drafter's graphs go when the walk ends, a failed one included, not
+    at whatever later collection finds their caches' reference cycles (evaluation/cuda_graph.py)."""
+    from dflash_trainer.evaluation import walk as walk_module
+    from dflash_trainer.evaluation.draft_runner import DraftRunner
+
+    closed: list[str] = []
+    monkeypatch.setattr(TargetCache, "close", lambda self: closed.append("target"))
+    monkeypatch.setattr(DraftRunner, "close", lambda self: closed.append("drafter"))
+    if fails:
+        monkeypatch.setattr(walk_module, "walk_prompt", lambda *a, **k: 1 / 0)
+    t = trained("qwen3")
+    with pytest.raises(ZeroDivisionError) if fails else contextlib.nullcontext():
+        decode_walk(t.target.model, t.drafter, t.prompts[:1], WalkSettings(max_new_tokens=8))
+    assert closed == ["target", "drafter"]
+
+
+def test_a_closed_cache_holds_no_graph(trained) -> None:
+    from dflash_trainer.evaluation.cuda_graph import Graphed
+
+    t = trained("qwen3_5")
+    cache = TargetCache(t.target.model, kind="static", max_len=32, block_size=BLOCK)
+    captured = ("a graph", "its outputs")  # what Graphed holds after a capture
+    cache._graphed._captured = captured
+    cache._redo_graphs[2] = redo = Graphed(lambda: None, "the rollback", "")
+    redo._captured = captured
+    cache.close()
+    assert not cache._graphed.captured and not redo.captured and cache._redo_graphs == {}

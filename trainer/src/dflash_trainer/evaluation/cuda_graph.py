@@ -5,8 +5,9 @@ after a capture error)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import torch
@@ -14,6 +15,21 @@ import torch
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Around = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while inside. A collection during a capture that destroys
+    an unreachable CUDAGraph (an earlier walk's, kept by a reference cycle) makes a CUDA call the capture
+    forbids, and the capture fails (pytorch/pytorch#161037: torch.cuda.graph neither collects before a
+    capture, since torch 2.9, nor pauses the collector; seen on an H100, docs/journal.md, session 17)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture(
@@ -32,7 +48,12 @@ def capture(
     )
     torch.cuda.synchronize()
     # thread_local: another thread's CUDA calls (a loader pinning memory) do not break the capture.
-    with cast, around or contextlib.nullcontext(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with (
+        cast,
+        around or contextlib.nullcontext(),
+        collector_paused(),
+        torch.cuda.graph(graph, capture_error_mode="thread_local"),
+    ):
         out = run()
     return graph, out
 
@@ -71,6 +92,11 @@ class Graphed(Generic[T]):
     @property
     def captured(self) -> bool:
         return self._captured is not None
+
+    def release(self) -> None:
+        """Drops the graph and its outputs now (its memory pool goes back to the allocator), not at whatever
+        later collection finds the cycle that holds it; the next call starts over, eagerly."""
+        self._captured, self._ran = None, False
 
     def __call__(self, around: Around | None = None) -> T:
         """One run. `around()` is entered around an eager run and around the capture, not a replay."""

@@ -149,6 +149,10 @@ class DraftRunner:
             self.kind = "static"
         return out
 
+    def close(self) -> None:
+        """Releases the drafter's CUDA graph."""
+        self._graphed.release()
+
     def _forward(self, *args: torch.Tensor | dict[str, object]) -> torch.Tensor:
         if not self._weights:
             return self.drafter(*args)

@@ -167,6 +167,13 @@ class TargetCache:
         types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
         self._masks = {t: (self._mask if t == FULL_ATTENTION else None) for t in set(types)}
 
+    def close(self) -> None:
+        """Releases the walk's CUDA graphs (the verify's and each rollback's)."""
+        self._graphed.release()
+        for redo in self._redo_graphs.values():
+            redo.release()
+        self._redo_graphs.clear()
+
     def _new_cache(self, cache: DynamicCache | StaticCache) -> None:
         self.cache = cache
         self._saved = []  # the snapshot's buffers, made at this cache's first verify

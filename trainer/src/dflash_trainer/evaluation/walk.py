@@ -234,13 +234,16 @@ def decode_walk(
             block_size=block_size,
         )
         # Layers compiled in place for training (train.compile) would recompile for every context length.
-        with torch.compiler.set_stance("force_eager"), recorder.installed(), _attention_backends(device):
-            walks = [
-                walk_prompt(target, runner, p, settings, label=f" prompt {i} of {len(prompts)}")
-                for i, p in enumerate(prompts, 1)
-            ]
+        try:
+            with torch.compiler.set_stance("force_eager"), recorder.installed(), _attention_backends(device):
+                walks = [
+                    walk_prompt(target, runner, p, settings, label=f" prompt {i} of {len(prompts)}")
+                    for i, p in enumerate(prompts, 1)
+                ]
+        finally:  # the graphs now, for training's memory; the caches' own cycles go at a later collection
+            target.close()
+            runner.close()
         kind = target.kind
-        del target, runner  # their CUDA graphs and buffers
         _sync(device)
         seconds = time.perf_counter() - t0
     finally:
