@@ -14,6 +14,7 @@ import torch
 
 from dflash_trainer.evaluation import cuda_graph
 from dflash_trainer.evaluation.cuda_graph import Graphed
+from dflash_trainer.model.target import GraphedForward
 
 
 class _Graph:
@@ -144,11 +145,24 @@ class _Cycle:
         self.graph, self.me = graph, self
 
 
+def _walk_capture(run):
+    captured = cuda_graph.try_capture(run, "the test", "it fails")
+    assert captured is not None, "the walk's capture failed"
+    return captured
+
+
+def _training_capture(run):
+    graphed = GraphedForward(lambda _x: run(), torch.zeros(1, device="cuda"), warmup=1)
+    return graphed.graph, graphed.output
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_collection_during_a_capture_does_not_break_it() -> None:
-    """The real capture, with the collector set to run at every allocation: the dead graph it finds is not
-    destroyed inside the capture (pytorch/pytorch#161037's failure)."""
+@pytest.mark.parametrize("capture", [_walk_capture, _training_capture], ids=["walk", "training"])
+def test_a_collection_during_a_capture_does_not_break_it(capture) -> None:
+    """The real captures (the walk's, and the target's training-shape graph), with the collector set to run
+    at every allocation: the dead graph it finds is not destroyed inside the capture
+    (pytorch/pytorch#161037's failure)."""
     x = torch.ones(4, device="cuda")
     dead, _out = cuda_graph.capture(lambda: x * 2)
     _Cycle(dead)
@@ -156,11 +170,9 @@ def test_a_collection_during_a_capture_does_not_break_it() -> None:
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
-        captured = cuda_graph.try_capture(lambda: [x + i for i in range(64)][-1], "the test", "it fails")
+        graph, out = capture(lambda: [x + i for i in range(64)][-1])
     finally:
         gc.set_threshold(*thresholds)
         gc.collect()
-    assert captured is not None
-    graph, out = captured
     graph.replay()
     assert torch.equal(out, x + 63)

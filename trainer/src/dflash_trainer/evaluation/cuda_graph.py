@@ -5,31 +5,17 @@ after a capture error)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
 
+from dflash_trainer.capture_guard import collector_paused
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Around = Callable[[], contextlib.AbstractContextManager[object]]
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while inside. A collection during a capture that destroys
-    an unreachable CUDAGraph (an earlier walk's, kept by a reference cycle) makes a CUDA call the capture
-    forbids, and the capture fails (pytorch/pytorch#161037: torch.cuda.graph neither collects before a
-    capture, since torch 2.9, nor pauses the collector; seen on an H100, docs/journal.md, session 17)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def capture(

@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from dflash_trainer.capture_guard import collector_paused
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.model import kernel_ops
 from dflash_trainer.model.fused_projections import fused_compile_options
@@ -303,7 +304,7 @@ class GraphedForward:
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with collector_paused(), torch.cuda.graph(self.graph, pool=pool):
             self.output = fn(self.input)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
