@@ -172,3 +172,11 @@ def test_the_probe_names_a_bad_worker_count_in_its_last_line(monkeypatch, capsys
     assert gpu_probe.main(["fla"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("error: ValueError: DFLASH_PROBE_COMPILE_WORKERS='many'"), last
+
+
+def test_a_triton_without_the_property_is_said_not_tallied(monkeypatch) -> None:
+    monkeypatch.delattr(Autotuner, "do_bench")
+    tally = AutotuneTally()
+    with tallied(tally, lambda: None):
+        pass
+    assert tally.summary() == "autotune not tallied (this Triton's Autotuner has no do_bench property)"

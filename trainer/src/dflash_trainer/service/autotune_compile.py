@@ -66,8 +66,11 @@ class AutotuneTally:
     compiled_ahead: int = 0
     first_call_s: float = 0.0
     timing_s: float = 0.0
+    counted: bool = True  # False where this Triton's autotuner could not be tallied
 
     def summary(self) -> str:
+        if not self.counted:
+            return "autotune not tallied (this Triton's Autotuner has no do_bench property)"
         ahead = f", {self.compiled_ahead} compiles started ahead on threads" if self.compiled_ahead else ""
         return (
             f"autotune: {self.candidates} candidates{ahead}, their first calls {self.first_call_s:.1f} s, "
@@ -83,6 +86,7 @@ def tallied(tally: AutotuneTally, sync: Callable[[], None]) -> Iterator[None]:
 
     original = Autotuner.__dict__.get("do_bench")
     if original is None or not hasattr(original, "func"):  # not the cached_property of Triton 3.x
+        tally.counted = False
         yield
         return
 
