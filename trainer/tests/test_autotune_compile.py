@@ -31,8 +31,10 @@ def _kernel_body(x, n, B):  # the base function Autotuner looks for under `.fn`
 
 
 class StandInKernel:
-    """JITFunction.run's compile step as Triton runs it: under an active AsyncCompileMode the compile goes to
-    the mode's executor (runtime/jit.py `_do_compile`); without one it compiles in the caller's thread."""
+    """JITFunction.run's compile step as Triton runs it: its arguments bound by position or keyword, a missing
+    one a TypeError (the binder runtime/jit.py builds from the kernel's signature); under an active
+    AsyncCompileMode the compile goes to the mode's executor (`_do_compile`); without one it compiles in the
+    caller's thread."""
 
     fn = staticmethod(_kernel_body)
     arg_names = ("x", "n")
@@ -45,6 +47,9 @@ class StandInKernel:
         self.compile_s = compile_s
 
     def run(self, *args, grid, warmup, **kwargs):
+        bound = {*self.arg_names[: len(args)], *(name for name in self.arg_names if name in kwargs)}
+        if bound != set(self.arg_names):
+            raise TypeError(f"dynamic_func() missing arguments: {sorted(set(self.arg_names) - bound)}")
         key = (kwargs["B"], kwargs.get("num_warps"))
         self.runs.append({"warmup": warmup, **kwargs})
         if kwargs["B"] in self.fail:  # as ptxas reports a config past the shared memory
