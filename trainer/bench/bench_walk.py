@@ -7,16 +7,19 @@ Writes the random target of `--shape` into `--target` when no complete one is th
 `dflash-train model random`), loads it whole through the trainer's own `load_target(full=True)`, builds the
 reference configuration's drafter at random (tau about 1: every block rejected, the walk's worst case) and
 runs the trainer's own `decode_walk`: a warm-up prompt, then the timed prompts, once per `--variants` entry
-(CACHE/ROLLBACK[/DRAFT]: graph/recorded is the default walk, graph/recorded/dynamic the same with the eager
-drafter, dynamic/recorded the eager walk before both) side by side in
-one process. The phases (draft, prefill, verify, rollback) are timed with a device synchronisation around
-each; `--profile N` records N more verify steps of the first variant with torch.profiler and prints the
-operators by device and host time. Figures, no assertions.
+(CACHE/ROLLBACK[/DRAFT][+kept]: graph/recorded is the default walk, graph/recorded+kept the same walk with
+the cache, drafter runner and graphs kept from the walk before, as the trainer's later evaluations walk,
+graph/recorded/dynamic the default walk with the eager drafter, dynamic/recorded the eager walk before all)
+side by side in one process; a kept variant also says the GPU memory it keeps between walks. The phases
+(draft, prefill, verify, rollback) are timed with a device synchronisation around each; `--profile N` records
+N more verify steps of the first variant with torch.profiler and prints the operators by device and host
+time. Figures, no assertions.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -74,23 +77,39 @@ def phase_timers(calls: dict[str, list[float]]) -> Iterator[None]:
             setattr(cache, name, originals[name])
 
 
+def held_mib(keep: walk.KeptWalk) -> float:
+    """The GPU memory a kept walk holds between walks: reserved memory before and after its release."""
+    if not torch.cuda.is_available():
+        return 0.0
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    keep.close()
+    gc.collect()  # the caches' own reference cycles
+    torch.cuda.empty_cache()
+    return (before - torch.cuda.memory_reserved()) / 2**20
+
+
 KINDS = get_args(target_cache.CacheKind)
 
 
+KEPT = "+kept"
+
+
 def _variant(text: str) -> str:
-    cache, rollback, *draft = text.split("/")
+    cache, rollback, *draft = text.removesuffix(KEPT).split("/")
     if (
         cache not in KINDS
         or rollback not in ("recorded", "rerun")
         or draft[1:]
         or not set(draft) <= set(KINDS)
     ):
-        raise argparse.ArgumentTypeError(f"{text!r}: CACHE/ROLLBACK[/DRAFT], e.g. graph/recorded/dynamic")
+        raise argparse.ArgumentTypeError(f"{text!r}: CACHE/ROLLBACK[/DRAFT][+kept], e.g. graph/recorded+kept")
     return text
 
 
 def _settings(variant: str, new_tokens: int) -> walk.WalkSettings:
-    cache, rollback, *draft = variant.split("/")
+    cache, rollback, *draft = variant.removesuffix(KEPT).split("/")
     return walk.WalkSettings(
         max_new_tokens=new_tokens,
         cache=cache,
@@ -108,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile", type=int, default=0, help="verify steps to record with torch.profiler")
-    variants = ["graph/recorded", "graph/recorded/dynamic", "dynamic/recorded"]
+    variants = ["graph/recorded", "graph/recorded+kept", "graph/recorded/dynamic", "dynamic/recorded"]
     p.add_argument("--variants", nargs="+", default=variants, type=_variant,
-                   help="CACHE/ROLLBACK[/DRAFT]: graph, static or dynamic / recorded or rerun / the "
-                   "drafter's kind (default: CACHE's)")  # fmt: skip
+                   help="CACHE/ROLLBACK[/DRAFT][+kept]: graph, static or dynamic / recorded or rerun / "
+                   "the drafter's kind (default: CACHE's) / kept from the walk before")  # fmt: skip
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         result["first_walk_s"] = time.perf_counter() - t0
         for variant in args.variants:  # side by side, in one process
             settings = _settings(variant, args.new_tokens)
-            plain = walk.decode_walk(model, drafter, prompts[1:], settings)
+            keep = walk.KeptWalk() if variant.endswith(KEPT) else None
+            if keep is not None:  # the trainer's first evaluation: it builds and captures what the later keep
+                walk.decode_walk(model, drafter, prompts[1:], settings, keep)
+            plain = walk.decode_walk(model, drafter, prompts[1:], settings, keep)
             calls: dict[str, list[float]] = defaultdict(list)
             with phase_timers(calls):
-                timed = walk.decode_walk(model, drafter, prompts[1:], settings)
+                timed = walk.decode_walk(model, drafter, prompts[1:], settings, keep)
             per_step = plain.seconds / max(1, plain.steps)
             result["variants"][variant] = {
                 "cache_run": plain.cache,
@@ -167,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                 "phase_median_ms": {name: 1000 * statistics.median(c) for name, c in calls.items()},
                 "timed_walk_s": timed.seconds,
             }
-            print(f"decode walk, {variant} (ran {plain.cache}): {per_step * 1000:.1f} ms per verify step "
-                  f"({plain.steps} steps, tau {plain.tau:.2f}); median ms per call "
-                  f"{ {n: round(1000 * statistics.median(c), 1) for n, c in calls.items()} }")  # fmt: skip
+            if keep is not None:
+                result["variants"][variant]["kept_mib"] = held_mib(keep)
+            medians = {n: round(1000 * statistics.median(c), 1) for n, c in calls.items()}
+            kept = f"; {result['variants'][variant]['kept_mib']:.0f} MiB kept" if keep is not None else ""
+            print(
+                f"decode walk, {variant} (ran {plain.cache}): {per_step * 1000:.1f} ms per verify step "
+                f"({plain.steps} steps, tau {plain.tau:.2f}); median ms per call {medians}{kept}"
+            )
         outputs = {v: r.pop("output_ids") for v, r in result["variants"].items()}
         result["same_output"] = len({json.dumps(o) for o in outputs.values()}) == 1
         table = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_trainer.evaluation.draft_runner import DraftRunner, draft_block
+from dflash_trainer.evaluation.draft_runner import DraftRunner, cast_linear_weights, draft_block
 from dflash_trainer.method.mask import block_attention_mask
 from dflash_trainer.model.drafter import SLIDING, DFlashDrafter
 
@@ -92,6 +92,27 @@ def test_weights_cast_once_give_autocasts_outputs(parts) -> None:
         assert torch.equal(cast, plain)
         assert not DraftRunner(drafter, embed, head, kind="dynamic", max_context=8, block_size=n)._weights
     assert not DraftRunner(drafter, embed, head, kind="static", max_context=8, block_size=n)._weights  # fp32
+
+
+@torch.no_grad()
+def test_a_kept_runner_reads_the_drafters_new_weights_in_place(parts) -> None:
+    """A runner kept for the next walk casts the drafter's weights as they are now into the tensors it holds
+    (a kept graph reads them there), and guesses as the drafter does with them."""
+    drafter, embed, head = parts
+    spec = drafter.spec
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runner = DraftRunner(
+            drafter, embed, head, kind="static", max_context=MAX_CONTEXT, block_size=spec.block_size
+        )
+        held = {name: w.data_ptr() for name, w in runner._weights.items()}
+        for p in drafter.parameters():
+            p.mul_(-1.5)  # in place, as an optimizer step or the leader's broadcast
+        runner.refresh_weights()
+        assert {name: w.data_ptr() for name, w in runner._weights.items()} == held
+        now = cast_linear_weights(drafter)
+        assert now.keys() == held.keys()
+        assert all(torch.equal(runner._weights[name], w) for name, w in now.items())
+        assert _steps(runner, drafter, embed, head, 12, [1, 4, 2], torch.Generator().manual_seed(7)) == 3
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import torch
 
 from dflash_trainer.evaluation.target_cache import TargetCache
 from dflash_trainer.evaluation.walk import (
+    KeptWalk,
     PromptWalk,
     WalkSettings,
     decode_walk,
@@ -138,6 +139,42 @@ def test_lossless_on_cuda(trained, tiny_target, kind: str) -> None:
         with torch.no_grad():
             assert torch.equal(walk.output_ids, _greedy(model.model, prompt, new)), kind
     assert result.accepted_drafts >= 20 and result.rejections >= 20, result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kept_walk_replays_from_its_first_step_on_cuda(trained, tiny_target) -> None:
+    """The trainer's later evaluations on CUDA: the kept graphs (the verify's, the rollbacks', the drafter's)
+    are not captured again, the drafter's new weights reach its graph (bf16 autocast: the runner's cast), and
+    the walk is the fresh walk's."""
+    t = trained("qwen3_5")
+    model = load_target(tiny_target("qwen3_5"), device="cuda", layer_ids=LAYER_IDS, full=True).model  # bf16
+    drafter = DFlashDrafter(t.drafter.spec).cuda()  # at random: its drafts rejected
+    prompts = [p.cuda() for p in t.prompts]
+    settings = WalkSettings(max_new_tokens=TRAINED_NEW)
+    keep = KeptWalk()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        untrained = decode_walk(model, drafter, prompts, settings, keep)
+        assert keep._parts is not None
+        target, runner = keep._parts
+        verify, draft = target._graphed._captured, runner._graphed._captured
+        redo = {n: g._captured for n, g in target._redo_graphs.items()}
+        assert untrained.cache == "graph" and verify is not None and draft is not None and redo
+        drafter.load_state_dict(t.drafter.state_dict())  # in place, as the leader's broadcast
+        kept = decode_walk(model, drafter, prompts, settings, keep)
+        assert keep._parts == (target, runner)
+        assert target._graphed._captured is verify and runner._graphed._captured is draft
+        assert all(target._redo_graphs[n]._captured is g for n, g in redo.items())
+        fresh = decode_walk(model, drafter, prompts, settings)
+    keep.close()
+    lengths = [w.acceptance_lengths for w in kept.walks]
+    assert (
+        lengths
+        == [w.acceptance_lengths for w in fresh.walks]
+        != [w.acceptance_lengths for w in untrained.walks]
+    )
+    assert all(torch.equal(a.output_ids, b.output_ids) for a, b in zip(kept.walks, fresh.walks, strict=True))
+    assert kept.cache == "graph" and kept.accepted_drafts >= 20
 
 
 def test_a_crop_that_keeps_the_recurrent_state_is_not_lossless(trained, monkeypatch) -> None:
@@ -270,10 +307,12 @@ def test_a_drafter_compiled_for_training_walks_eagerly(trained) -> None:
     assert [w.acceptance_lengths for w in walked.walks] == [w.acceptance_lengths for w in plain.walks]
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["own", "kept"])
 @pytest.mark.parametrize("fails", [False, True])
-def test_the_walk_releases_its_graphs_at_its_end(trained, monkeypatch, fails: bool) -> None:
+def test_the_walk_releases_its_graphs_at_its_end(trained, monkeypatch, fails: bool, kept: bool) -> None:
     """The verify's, the rollbacks' and the drafter's graphs go when the walk ends, a failed one included, not
-    at whatever later collection finds their caches' reference cycles (evaluation/cuda_graph.py)."""
+    at whatever later collection finds their caches' reference cycles (evaluation/cuda_graph.py). A kept walk
+    keeps them, unless it failed halfway."""
     from dflash_trainer.evaluation import walk as walk_module
     from dflash_trainer.evaluation.draft_runner import DraftRunner
 
@@ -283,9 +322,61 @@ def test_the_walk_releases_its_graphs_at_its_end(trained, monkeypatch, fails: bo
     if fails:
         monkeypatch.setattr(walk_module, "walk_prompt", lambda *a, **k: 1 / 0)
     t = trained("qwen3")
+    keep = KeptWalk() if kept else None
     with pytest.raises(ZeroDivisionError) if fails else contextlib.nullcontext():
-        decode_walk(t.target.model, t.drafter, t.prompts[:1], WalkSettings(max_new_tokens=8))
-    assert closed == ["target", "drafter"]
+        decode_walk(t.target.model, t.drafter, t.prompts[:1], WalkSettings(max_new_tokens=8), keep)
+    assert closed == ([] if kept and not fails else ["target", "drafter"])
+    if keep is not None:
+        assert (keep._parts is None) == fails
+
+
+def _counting_builds(monkeypatch) -> list[TargetCache]:
+    built: list[TargetCache] = []
+    init = TargetCache.__init__
+
+    def counted(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(TargetCache, "__init__", counted)
+    return built
+
+
+def test_a_kept_walk_walks_as_a_fresh_one_with_the_drafters_new_weights(
+    trained, tiny_target, monkeypatch
+) -> None:
+    """The trainer's next evaluation: the kept cache and runner serve it, with the weights the drafter was
+    given since, in place (the leader's broadcast; bf16 autocast: the runner's own cast of them), and it walks
+    as a fresh walk does. Other settings build new ones and release the kept."""
+    import copy
+
+    t = trained("qwen3_5")
+    drafter = copy.deepcopy(t.drafter)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.3)  # the drafter before its training: its drafts rejected
+    settings = WalkSettings(max_new_tokens=TRAINED_NEW, cache="static")
+    # bf16, as the trainer holds it on CUDA: under autocast an fp32 target's cache refuses bf16 keys.
+    model = load_target(tiny_target("qwen3_5"), dtype=torch.bfloat16, layer_ids=LAYER_IDS, full=True).model
+    built = _counting_builds(monkeypatch)
+    keep = KeptWalk()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        untrained = decode_walk(model, drafter, t.prompts, settings, keep)
+        assert keep._parts is not None and keep._parts[1]._weights  # the cast weights, held
+        drafter.load_state_dict(t.drafter.state_dict())
+        kept = decode_walk(model, drafter, t.prompts, settings, keep)
+        assert len(built) == 1
+        fresh = decode_walk(model, drafter, t.prompts, settings)
+        assert len(built) == 2
+        longer = decode_walk(
+            model, drafter, t.prompts[:1], WalkSettings(TRAINED_NEW + 4, cache="static"), keep
+        )
+        assert len(built) == 3 and keep._parts is not None and keep._parts[0] is built[-1]
+    lengths = [w.acceptance_lengths for w in kept.walks]
+    assert lengths == [w.acceptance_lengths for w in fresh.walks]
+    assert all(torch.equal(a.output_ids, b.output_ids) for a, b in zip(kept.walks, fresh.walks, strict=True))
+    assert lengths != [w.acceptance_lengths for w in untrained.walks]  # the test can tell stale weights
+    assert kept.accepted_drafts >= 20 and longer.steps > 0
 
 
 def test_a_closed_cache_holds_no_graph(trained) -> None:

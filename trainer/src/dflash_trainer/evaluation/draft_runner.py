@@ -18,7 +18,8 @@ each call; eagerly autocast caches the casts for the walk, but a capture runs wi
 replay would cast them all again (about 16 GB of traffic a step for the reference drafter, most of its
 7.1 ms on an H100). The static and graph kinds cast the linear weights once per walk, to what autocast would
 have cast them to (bitwise the same matmuls), and run the drafter with them (torch.func.functional_call);
-the norms keep their fp32 weights, as under autocast.
+the norms keep their fp32 weights, as under autocast. A runner kept for the next walk casts them again into
+the same tensors (`refresh_weights`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,16 @@ class DraftRunner:
         if self._graphed.failed:  # said once in the log; the drafter goes on over the buffer
             self.kind = "static"
         return out
+
+    def refresh_weights(self) -> None:
+        """The drafter's weights as they are now (it trained since the last walk), cast into the held ones in
+        place: a kept graph reads them where they are."""
+        if not self._weights:
+            return
+        modules = dict(self.drafter.named_modules())
+        held = list(self._weights.values())
+        now = [modules[name.removesuffix(".weight")].weight.detach() for name in self._weights]
+        torch._foreach_copy_(held, now)  # the same rounding as the cast of .to(dtype)
 
     def close(self) -> None:
         """Releases the drafter's CUDA graph."""

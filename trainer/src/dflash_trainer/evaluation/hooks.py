@@ -13,7 +13,7 @@ from torch import nn
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch
 from dflash_trainer.evaluation.held_out import evaluate, first_rows, walk_prompts
-from dflash_trainer.evaluation.walk import WalkSettings, decode_walk, stop_token_ids
+from dflash_trainer.evaluation.walk import KeptWalk, WalkSettings, decode_walk, stop_token_ids
 from dflash_trainer.runtime import autocast, objective_config
 
 
@@ -29,6 +29,8 @@ class EvalContext:
     device: torch.device
     # What a long evaluation is doing, said as it goes (TargetSide.progress: the service's heartbeat).
     progress: Callable[[str], None] = lambda _text: None
+    # The walk's cache and graphs from the last evaluation, kept for this one (TargetSide.kept_walk).
+    kept_walk: KeptWalk | None = None
 
 
 EvalHook = Callable[[EvalContext], dict[str, float]]
@@ -53,7 +55,7 @@ def walk_figures(ctx: EvalContext) -> dict[str, float]:
         max_new_tokens=t.eval_walk_new_tokens, stop_token_ids=stop_token_ids(model), progress=ctx.progress
     )
     with autocast(ctx.cfg, ctx.device):
-        return decode_walk(model, ctx.drafter, prompts, settings).as_dict()
+        return decode_walk(model, ctx.drafter, prompts, settings, ctx.kept_walk).as_dict()
 
 
 def eval_share(seconds: float, trained_s: float) -> str:

@@ -12,6 +12,11 @@ forward of a whole block is replayed from a CUDA graph over a static cache (eval
 
 The drafter is re-run over the whole context each step (no drafter KV cache): the same arithmetic as dflash's
 client; on CUDA from a CUDA graph over a buffer of the walk's longest context (evaluation/draft_runner.py).
+
+A walk builds its target cache and drafter runner, and their graphs, and releases them at its end; a
+`KeptWalk` keeps them for the next walk of the same target, drafter, settings and longest context (the
+trainer's evaluations walk the same held-out prompts each time), which then replays from its first verify
+step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -190,6 +196,61 @@ def _attention_backends(device: torch.device) -> contextlib.AbstractContextManag
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
 
+@dataclass(frozen=True)
+class WalkParts:
+    """What a walk's target cache and drafter runner are built for; equal parts can serve the same walk."""
+
+    model: nn.Module  # compared by identity, as nn.Module is
+    drafter: DFlashDrafter
+    settings: WalkSettings  # progress is not compared
+    max_len: int  # the longest prompt, its new tokens and a block: the static buffers' length
+    block_size: int
+
+    def build(self) -> tuple[TargetCache, DraftRunner]:
+        s = self.settings
+        target = TargetCache(
+            self.model, s.rollback, kind=s.cache, max_len=self.max_len, block_size=self.block_size
+        )
+        embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+        kind = s.draft or s.cache
+        runner = DraftRunner(
+            self.drafter, embed, head, kind=kind, max_context=self.max_len, block_size=self.block_size
+        )
+        return target, runner
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+class KeptWalk:
+    """One walk's target cache and drafter runner, with their CUDA graphs, kept for the next walk with equal
+    `WalkParts` under the same autocast: that walk replays from its first verify step instead of running it
+    eagerly and capturing again. The drafter's weights are read afresh at each walk (it trains in between).
+    The graphs' memory stays held between walks; `close()` gives it back."""
+
+    def __init__(self) -> None:
+        self._key: tuple[WalkParts, Any] | None = None
+        self._parts: tuple[TargetCache, DraftRunner] | None = None
+
+    def parts_for(self, parts: WalkParts) -> tuple[TargetCache, DraftRunner]:
+        """The kept cache and runner when they were built for `parts`, else new ones (the old released)."""
+        key = (parts, _autocast_state(next(parts.drafter.parameters()).device))
+        if self._parts is None or self._key != key:
+            self.close()
+            self._parts, self._key = parts.build(), key
+        else:
+            self._parts[1].refresh_weights()
+        return self._parts
+
+    def close(self) -> None:
+        if self._parts is not None:
+            target, runner = self._parts
+            self._parts = self._key = None
+            target.close()
+            runner.close()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -197,9 +258,14 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def decode_walk(
-    model: nn.Module, drafter: nn.Module, prompts: Sequence[torch.Tensor], settings: WalkSettings
+    model: nn.Module,
+    drafter: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    settings: WalkSettings,
+    keep: KeptWalk | None = None,
 ) -> WalkResult:
-    """Walks every prompt; `model` is the full causal LM (all layers and the LM head).
+    """Walks every prompt; `model` is the full causal LM (all layers and the LM head). With `keep`, the
+    walk's cache, drafter runner and graphs are the kept ones when they fit, and are kept for the next walk.
 
     The drafter is put in eval mode for the walk and back in its previous mode after. Runs in the caller's
     precision context.
@@ -221,18 +287,9 @@ def decode_walk(
         t0 = time.perf_counter()
         block_size = settings.block_size or draft.spec.block_size
         max_len = max(p.numel() for p in prompts) + settings.max_new_tokens + block_size
-        target = TargetCache(
-            model, settings.rollback, kind=settings.cache, max_len=max_len, block_size=block_size
-        )
-        embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
-        runner = DraftRunner(
-            draft,
-            embed,
-            head,
-            kind=settings.draft or settings.cache,
-            max_context=max_len,
-            block_size=block_size,
-        )
+        kept = keep if keep is not None else KeptWalk()
+        target, runner = kept.parts_for(WalkParts(model, draft, settings, max_len, block_size))
+        walked = False
         # Layers compiled in place for training (train.compile) would recompile for every context length.
         try:
             with torch.compiler.set_stance("force_eager"), recorder.installed(), _attention_backends(device):
@@ -240,9 +297,10 @@ def decode_walk(
                     walk_prompt(target, runner, p, settings, label=f" prompt {i} of {len(prompts)}")
                     for i, p in enumerate(prompts, 1)
                 ]
-        finally:  # the graphs now, for training's memory; the caches' own cycles go at a later collection
-            target.close()
-            runner.close()
+            walked = True
+        finally:  # the graphs now, for training's memory, unless kept; a walk that failed halfway is not kept
+            if keep is None or not walked:
+                kept.close()
         kind = target.kind
         _sync(device)
         seconds = time.perf_counter() - t0

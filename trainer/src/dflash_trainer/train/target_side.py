@@ -19,6 +19,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch, TargetBatch
 from dflash_trainer.evaluation import hooks
 from dflash_trainer.evaluation.hooks import EvalContext, EvalHook, eval_share
+from dflash_trainer.evaluation.walk import KeptWalk
 from dflash_trainer.runtime import autocast
 from dflash_trainer.train.schedule import eval_due
 from dflash_trainer.train.setup import ItemStream, Setup, drafter_spec, new_drafter
@@ -54,6 +55,9 @@ class TargetSide:
         with startup.phase("held-out rows"):
             self.held_out = setup.held_out() if self.evaluates else []
         self.eval_hooks: list[EvalHook] = list(hooks.EVAL_HOOKS) if self.evaluates else []
+        # The decode walk's cache and CUDA graphs, from one evaluation to the next: a later walk replays from
+        # its first step, and their memory stays held on this GPU in between (docs/benchmarks.md#decode-walk).
+        self.kept_walk = KeptWalk()
         # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
         self.progress: Callable[[str], None] = lambda _text: None
         # Training time since the first forward or the last evaluation: an evaluation's share of the run.
@@ -78,6 +82,7 @@ class TargetSide:
         ctx = EvalContext(
             step, self.cfg, self.target, drafter, self.held_out, self.device,
             progress=lambda text: self.progress(f"evaluation at step {step}: {text}"),
+            kept_walk=self.kept_walk,
         )  # fmt: skip
         figures: dict[str, float] = {}
         started = time.perf_counter()
