@@ -7,6 +7,7 @@
 # (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
 # Sections, in this order (default: all):
 #   walk       the decode walk at the reference shape: ms per verify step, graph/recorded against dynamic/recorded
+#              (WALK_VARIANTS: bench_walk's --variants, e.g. "graph/recorded graph/recorded+kept")
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
@@ -37,7 +38,8 @@ start)
     if want walk; then
       echo "=== decode walk: CUDA graph over a static cache against the eager dynamic cache ($(date -u +%T))"
       timeout 420 python3 trainer/bench/bench_walk.py --target /dev/shm/dflash/model --prompts "${WALK_PROMPTS:-1}" \
-        --new-tokens "${WALK_TOKENS:-64}" --profile 8 --out "$STATE/out/walk.json" 2>&1 | grep -v "^Loading weights"
+        --new-tokens "${WALK_TOKENS:-64}" --profile 8 --out "$STATE/out/walk.json" ${WALK_VARIANTS:+--variants $WALK_VARIANTS} \
+        2>&1 | grep -v "^Loading weights"
     fi
     if want gputests; then
       echo "=== GPU tests ($(date -u +%T))"
