@@ -153,7 +153,10 @@ def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
     assert said[-1].startswith("evaluation at step 0: decode walk prompt 2 of 2: "), said[-1]
     assert said[-1].endswith(" of 8 tokens"), said[-1]
     timed = {"walk_tok_s", "walk_s"}
+    kept = run.target.kept_walk._parts
+    assert kept is not None  # the walk's cache and drafter runner (on CUDA their graphs), for the next one
     again = run.evaluate()
+    assert run.target.kept_walk._parts is kept
     # fixed anchors and prompts: the same blocks and the same walk each time
     assert {k: v for k, v in figures.items() if k not in timed} == {
         k: v for k, v in again.items() if k not in timed
