@@ -83,10 +83,10 @@ start)
   ;;
 poll)
   deadline=$(($(date +%s) + ${2:-540}))
-  while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
-  if [ -n "${OUT:-}" ]; then
-    cp "$LOG" "$STATE"/out/*.json "$STATE"/out/*.txt "$STATE"/out/*.log "$OUT"/ 2>/dev/null
-  fi
+  # Copied as it goes: a call cut off by the device time left still brings back what was done.
+  copy_out() { [ -z "${OUT:-}" ] || cp "$LOG" "$STATE"/out/*.json "$STATE"/out/*.txt "$STATE"/out/*.log "$OUT"/ 2>/dev/null; }
+  while ! grep -q "^session exit" "$LOG" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do copy_out; sleep 5; done
+  copy_out
   tail -n 150 "$LOG"
   grep -q "^session exit" "$LOG" || echo "gpu seconds: still running"
   ;;
