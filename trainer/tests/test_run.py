@@ -153,10 +153,11 @@ def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
     assert said[-1].startswith("evaluation at step 0: decode walk prompt 2 of 2: "), said[-1]
     assert said[-1].endswith(" of 8 tokens"), said[-1]
     timed = {"walk_tok_s", "walk_s"}
-    kept = run.target.kept_walk._parts
-    assert kept is not None  # the walk's cache and drafter runner (on CUDA their graphs), for the next one
+    keep = run.target.kept_walk
+    assert keep is not None and keep._parts is not None  # the walk's cache and runner (their graphs on CUDA)
+    kept = keep._parts
     again = run.evaluate()
-    assert run.target.kept_walk._parts is kept
+    assert keep._parts is kept
     # fixed anchors and prompts: the same blocks and the same walk each time
     assert {k: v for k, v in figures.items() if k not in timed} == {
         k: v for k, v in again.items() if k not in timed
@@ -168,6 +169,24 @@ def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
 
 
 WALK = ["walk_s", "walk_steps", "walk_tau", "walk_tau_pooled", "walk_tok_s"]
+
+
+def test_without_eval_walk_keep_each_walk_releases_what_it_built(tmp_path, tiny_target, shards, monkeypatch):
+    from dflash_trainer.evaluation import hooks
+
+    keeps: list[object] = []
+    decode_walk = hooks.decode_walk
+
+    def seen(*args, **kwargs):
+        keeps.append(args[4] if len(args) > 4 else kwargs.get("keep"))
+        return decode_walk(*args, **kwargs)
+
+    monkeypatch.setattr(hooks, "decode_walk", seen)
+    cfg = make_config(tmp_path, tiny_target("qwen3_5"), shards, eval_walk_prompts=1, eval_walk_keep=False)
+    run = Run(cfg)
+    assert run.target.kept_walk is None
+    run.evaluate()
+    assert keeps == [None]
 
 
 def test_evaluation_runs_every_eval_every_steps_with_extra_hooks(tmp_path, tiny_target, shards, monkeypatch):

@@ -95,6 +95,10 @@ class LoopConfig:
     eval_walk_prompts: int = 8  # up to this many held-out rows' prompts are walked; 0: no walk
     eval_walk_new_tokens: int = 128  # tokens generated per prompt
     eval_walk_prompt_len: int = 256  # a longer prompt keeps its last tokens
+    # The walk's cache, drafter runner and CUDA graphs kept from one evaluation to the next (KeptWalk in
+    # evaluation/walk.py): a later walk replays from its first step, for the GPU memory they hold in between
+    # (on CUDA the drafter's linear weights in bf16 among them; docs/acceptance.md#what-it-costs).
+    eval_walk_keep: bool = True
     log_every: int = 10
     gradient_checkpointing: bool = False
     compile: bool = False

@@ -29,7 +29,7 @@ class EvalContext:
     device: torch.device
     # What a long evaluation is doing, said as it goes (TargetSide.progress: the service's heartbeat).
     progress: Callable[[str], None] = lambda _text: None
-    # The walk's cache and graphs from the last evaluation, kept for this one (TargetSide.kept_walk).
+    # The walk's cache and graphs from the last evaluation, kept for this one (train.eval_walk_keep).
     kept_walk: KeptWalk | None = None
 
 

@@ -55,9 +55,8 @@ class TargetSide:
         with startup.phase("held-out rows"):
             self.held_out = setup.held_out() if self.evaluates else []
         self.eval_hooks: list[EvalHook] = list(hooks.EVAL_HOOKS) if self.evaluates else []
-        # The decode walk's cache and CUDA graphs, from one evaluation to the next: a later walk replays from
-        # its first step, and their memory stays held on this GPU in between (docs/benchmarks.md#decode-walk).
-        self.kept_walk = KeptWalk()
+        # train.eval_walk_keep: the decode walk's cache and CUDA graphs, from one evaluation to the next.
+        self.kept_walk = KeptWalk() if self.cfg.train.eval_walk_keep else None
         # Told what an evaluation is doing while it runs (minutes on a 27B target); the service sets it.
         self.progress: Callable[[str], None] = lambda _text: None
         # Training time since the first forward or the last evaluation: an evaluation's share of the run.
