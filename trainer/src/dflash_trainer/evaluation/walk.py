@@ -25,7 +25,6 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -205,6 +204,9 @@ class WalkParts:
     settings: WalkSettings  # progress is not compared
     max_len: int  # the longest prompt, its new tokens and a block: the static buffers' length
     block_size: int
+    autocast: tuple[
+        bool, torch.dtype
+    ]  # the caller's, on the walk's device: the drafter's weights are cast to it
 
     def build(self) -> tuple[TargetCache, DraftRunner]:
         s = self.settings
@@ -219,26 +221,21 @@ class WalkParts:
         return target, runner
 
 
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
 class KeptWalk:
     """One walk's target cache and drafter runner, with their CUDA graphs, kept for the next walk with equal
-    `WalkParts` under the same autocast: that walk replays from its first verify step instead of running it
+    `WalkParts`: that walk replays from its first verify step instead of running it
     eagerly and capturing again. The drafter's weights are read afresh at each walk (it trains in between).
     The graphs' memory stays held between walks; `close()` gives it back."""
 
     def __init__(self) -> None:
-        self._key: tuple[WalkParts, Any] | None = None
+        self._built_for: WalkParts | None = None
         self._parts: tuple[TargetCache, DraftRunner] | None = None
 
     def parts_for(self, parts: WalkParts) -> tuple[TargetCache, DraftRunner]:
         """The kept cache and runner when they were built for `parts`, else new ones (the old released)."""
-        key = (parts, _autocast_state(next(parts.drafter.parameters()).device))
-        if self._parts is None or self._key != key:
+        if self._parts is None or self._built_for != parts:
             self.close()
-            self._parts, self._key = parts.build(), key
+            self._parts, self._built_for = parts.build(), parts
         else:
             self._parts[1].refresh_weights()
         return self._parts
@@ -246,7 +243,7 @@ class KeptWalk:
     def close(self) -> None:
         if self._parts is not None:
             target, runner = self._parts
-            self._parts = self._key = None
+            self._parts = self._built_for = None
             target.close()
             runner.close()
 
@@ -288,7 +285,8 @@ def decode_walk(
         block_size = settings.block_size or draft.spec.block_size
         max_len = max(p.numel() for p in prompts) + settings.max_new_tokens + block_size
         kept = keep if keep is not None else KeptWalk()
-        target, runner = kept.parts_for(WalkParts(model, draft, settings, max_len, block_size))
+        precision = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        target, runner = kept.parts_for(WalkParts(model, draft, settings, max_len, block_size, precision))
         walked = False
         # Layers compiled in place for training (train.compile) would recompile for every context length.
         try:
