@@ -1,6 +1,7 @@
 """`dflash-train preflight` as the unit runs it, timed at the reference shape: cold (empty compile caches and
 no kept verdicts), warm (the same caches again), with a failing cheap check (a shards directory that is
-not there), and cold again with the FLA probe's autotune candidates compiled at once (cold-parallel).
+not there), and cold again in Triton's own order, one autotune candidate's compile after another
+(cold-serial, DFLASH_COMPILE_WORKERS=0), beside the default that compiles them at once on threads.
 `--before DIR` runs the same sequence with another copy of the trainer's source first (an earlier commit's
 `trainer/src`), side by side in one run. Figures, no assertions.
 
@@ -100,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         for run, config in (("cold", good), ("warm", good), ("failing-shards", bad)):
             result[f"{label}/{run}"] = timed(label, run, config, source, caches)
         shutil.rmtree(caches, ignore_errors=True)
-    # Cold again with fresh caches, the FLA probe's autotune candidates compiled at once on threads
-    # (service/autotune_compile.py), beside "after/cold" above.
-    caches = Path(tempfile.mkdtemp(prefix="preflight-caches-parallel-", dir="/var/tmp"))
-    workers = {"DFLASH_PROBE_COMPILE_WORKERS": str(os.cpu_count() or 1)}
-    result["after/cold-parallel"] = timed("after", "cold-parallel", good, None, caches, workers)
+    # Cold again with fresh caches, the FLA probe's autotune candidates compiled in Triton's own order
+    # (service/autotune_compile.py), beside the default "after/cold" above.
+    caches = Path(tempfile.mkdtemp(prefix="preflight-caches-serial-", dir="/var/tmp"))
+    serial = {"DFLASH_COMPILE_WORKERS": "0"}
+    result["after/cold-serial"] = timed("after", "cold-serial", good, None, caches, serial)
     shutil.rmtree(caches, ignore_errors=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -7,6 +7,7 @@ does. The kernel is launched as FLA launches its kernels, with keyword arguments
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -21,6 +22,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 from dflash_trainer.service.autotune_compile import (  # noqa: E402
     AutotuneTally,
     configs_compiled_at_once,
+    for_this_rank,
     tallied,
     workers_from_env,
 )
@@ -102,6 +104,40 @@ def test_every_candidate_is_compiled_on_the_pool_before_the_timing() -> None:
     assert "prune_and_compile" not in Autotuner.prune_configs.__name__
 
 
+def _disk_cache(kept: dict[tuple, Config]):
+    """Autotuner.check_disk_cache as Triton 3.x has it (triton/runtime/autotuner.py), its file a dict: a kept
+    result is taken without timing anything; a miss times the candidates (bench_fn), then keeps the best."""
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        if tuning_key in kept:
+            self.cache[tuning_key] = kept[tuning_key]
+            return True
+        bench_fn()
+        kept[tuning_key] = self.cache[tuning_key]
+        return False
+
+    return check_disk_cache
+
+
+def test_with_autotune_results_on_disk_only_a_miss_compiles_ahead(monkeypatch) -> None:
+    # The unit keeps autotune results (TRITON_CACHE_AUTOTUNING=1). Triton prunes before it reads that cache,
+    # so the compiles must wait for the miss: a warm restart compiles (loads) only the kernel it runs.
+    kept: dict[tuple, Config] = {}
+    monkeypatch.setattr(Autotuner, "check_disk_cache", _disk_cache(kept))
+    cold, warm = StandInKernel(), StandInKernel()
+    tally = AutotuneTally()
+    with configs_compiled_at_once(4, tally):
+        for kernel in (cold, warm):
+            tuner = _autotuner(kernel)
+            tuner.cache_results = True
+            _launch(tuner)
+    assert len(cold.compiled) == 4 and all(n.startswith("triton-compile") for n in cold.compiled.values())
+    assert [run["warmup"] for run in cold.runs][:4] == [True] * 4
+    assert tally.compiled_ahead == 4  # the cold one's; the warm one started none
+    assert not any(run["warmup"] for run in warm.runs) and len(warm.compiled) == 1
+    assert Autotuner.check_disk_cache.__name__ == "check_disk_cache"
+
+
 def test_positional_arguments_are_compiled_ahead_too() -> None:
     kernel = StandInKernel()
     with configs_compiled_at_once(2):
@@ -159,24 +195,32 @@ def test_the_summary_says_the_compiles_started_ahead() -> None:
     )
 
 
-@pytest.mark.parametrize(("value", "workers"), [("", 0), ("0", 0), ("8", 8), (" 16 ", 16)])
+@pytest.mark.parametrize(("value", "workers"), [("0", 0), ("1", 1), ("8", 8), (" 16 ", 16)])
 def test_workers_from_env(value: str, workers: int) -> None:
-    assert workers_from_env({"DFLASH_PROBE_COMPILE_WORKERS": value}) == workers
-    assert workers_from_env({}) == 0
+    assert workers_from_env({"DFLASH_COMPILE_WORKERS": value}) == workers
+
+
+@pytest.mark.parametrize("env", [{}, {"DFLASH_COMPILE_WORKERS": " "}])
+def test_unset_the_probe_compiles_ahead_on_the_cpus_it_may_use(monkeypatch, env: dict[str, str]) -> None:
+    # A CT limited to 7 of the host's CPUs (its cpuset) compiles on 7 threads, not on the host's count.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7, 9, 11, 12, 13}, raising=False)
+    assert workers_from_env(env) == 7
+    assert workers_from_env(env, ranks_here=2) == 3  # two ranks of a node share its CPUs
+    assert workers_from_env({"DFLASH_COMPILE_WORKERS": "5"}, ranks_here=2) == 5  # asked for: per process
 
 
 def test_a_bad_worker_count_names_the_variable() -> None:
-    with pytest.raises(ValueError, match=r"DFLASH_PROBE_COMPILE_WORKERS='many': must be a whole number"):
-        workers_from_env({"DFLASH_PROBE_COMPILE_WORKERS": "many"})
+    with pytest.raises(ValueError, match=r"DFLASH_COMPILE_WORKERS='many': must be a whole number"):
+        workers_from_env({"DFLASH_COMPILE_WORKERS": "many"})
 
 
 def test_the_probe_names_a_bad_worker_count_in_its_last_line(monkeypatch, capsys) -> None:
     from dflash_trainer.service import gpu_probe
 
-    monkeypatch.setenv("DFLASH_PROBE_COMPILE_WORKERS", "many")
+    monkeypatch.setenv("DFLASH_COMPILE_WORKERS", "many")
     assert gpu_probe.main(["fla"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("error: ValueError: DFLASH_PROBE_COMPILE_WORKERS='many'"), last
+    assert last.startswith("error: ValueError: DFLASH_COMPILE_WORKERS='many'"), last
 
 
 def test_a_triton_without_the_property_is_said_not_tallied(monkeypatch) -> None:
@@ -185,3 +229,20 @@ def test_a_triton_without_the_property_is_said_not_tallied(monkeypatch) -> None:
     with tallied(tally, lambda: None):
         pass
     assert tally.summary() == "autotune not tallied (this Triton's Autotuner has no do_bench property)"
+
+
+def test_a_gpu_rank_compiles_ahead_on_its_share_of_the_cpus(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    kernel, tally = StandInKernel(), AutotuneTally()
+    with for_this_rank("cuda", tally, env={"LOCAL_WORLD_SIZE": "4"}):  # 8 CPUs, 4 ranks: 2 threads each
+        _launch(_autotuner(kernel))
+    assert tally.compiled_ahead == 4
+    assert {name.rsplit("_", 1)[0] for name in kernel.compiled.values()} == {"triton-compile"}
+    assert len(set(kernel.compiled.values())) <= 2
+
+
+def test_a_cpu_run_leaves_the_autotuner_as_it_is() -> None:
+    kernel, tally = StandInKernel(), AutotuneTally()
+    with for_this_rank("cpu", tally, env={}):
+        _launch(_autotuner(kernel))
+    assert tally.compiled_ahead == 0 and not any(run["warmup"] for run in kernel.runs)

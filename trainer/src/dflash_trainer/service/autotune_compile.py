@@ -14,8 +14,10 @@ arguments are the autotuner's `nargs` (the positional ones) and the launch's key
 call (its compile, unless compiled ahead) and the timing itself (triton.testing.do_bench's warm-up and
 repetitions), so the probe's line says which of the two the cold seconds are.
 
-The probe (service.gpu_probe) compiles at once when DFLASH_PROBE_COMPILE_WORKERS is 2 or more;
-bench_preflight's `cold-parallel` run measures it against Triton's own order.
+The probe (service.gpu_probe) and each rank of a GPU run (service.serve, for its first step's autotuning)
+compile at once on DFLASH_COMPILE_WORKERS threads, by default the CPUs the process may run on, shared among
+the node's ranks; 0 or 1 keeps Triton's own order. bench_preflight's `cold-serial` run measures Triton's order
+beside the default cold run (docs/benchmarks.md#preflight).
 """
 
 from __future__ import annotations
@@ -30,17 +32,33 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-WORKERS_VARIABLE = "DFLASH_PROBE_COMPILE_WORKERS"
+WORKERS_VARIABLE = "DFLASH_COMPILE_WORKERS"
 
 
-def workers_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """The worker count DFLASH_PROBE_COMPILE_WORKERS asks for (0 when unset: Triton's own order)."""
+def usable_cpus() -> int:
+    """The CPUs this process may run on: the CT's cpuset and the unit's CPUAffinity, not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def workers_from_env(env: dict[str, str] | os._Environ[str] = os.environ, ranks_here: int = 1) -> int:
+    """The worker count DFLASH_COMPILE_WORKERS asks for; unset, the usable CPUs shared among the `ranks_here`
+    processes of this node (0 or 1: Triton's own order, one compile after another)."""
     text = env.get(WORKERS_VARIABLE, "").strip()
     if not text:
-        return 0
+        return usable_cpus() // max(ranks_here, 1)
     if not text.isdigit():
         raise ValueError(f"{WORKERS_VARIABLE}={text!r}: must be a whole number of threads (0 turns it off)")
     return int(text)
+
+
+def for_this_rank(
+    device: str, tally: AutotuneTally, env: dict[str, str] | os._Environ[str] = os.environ
+) -> contextlib.AbstractContextManager[None]:
+    """A GPU rank's autotuning misses compiled ahead (the first step's FLA kernels at the training shapes, the
+    walk's at its own), on its share of the node's CPUs; a CPU run has no Triton kernels to tune."""
+    if device == "cpu":
+        return contextlib.nullcontext()
+    return configs_compiled_at_once(workers_from_env(env, int(env.get("LOCAL_WORLD_SIZE") or 1)), tally)
 
 
 def _compile_all(autotuner: Any, configs: list[Any], kwargs: dict[str, Any], pool: ThreadPoolExecutor) -> int:
@@ -118,25 +136,54 @@ def tallied(tally: AutotuneTally, sync: Callable[[], None]) -> Iterator[None]:
 @contextlib.contextmanager
 def configs_compiled_at_once(workers: int, tally: AutotuneTally | None = None) -> Iterator[None]:
     """While inside, each autotuning miss first compiles its candidates on `workers` threads (below 2:
-    Triton's own order); `tally` counts the compiles started."""
+    Triton's own order); `tally` counts the compiles started.
+
+    With the autotune results kept on disk (TRITON_CACHE_AUTOTUNING=1, the unit's), Triton's `run` prunes
+    before it looks in that cache (`check_disk_cache`, triton/runtime/autotuner.py), so the compiles start
+    only when the cache has no result and the autotuner is about to time the candidates: a warm restart
+    loads the one kernel it runs, not every candidate."""
     if workers < 2:
         yield
         return
     from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
+    check = getattr(Autotuner, "check_disk_cache", None)
+    launches: dict[int, dict[str, Any]] = {}  # autotuner -> the keywords of its launch being tuned
+
+    def compile_ahead(autotuner: Any, configs: list[Any], kwargs: dict[str, Any]) -> None:
+        if len(configs) > 1:
+            started = _compile_all(autotuner, configs, kwargs, pool)
+            if tally is not None:
+                tally.compiled_ahead += started
 
     def prune_and_compile(self: Any, kwargs: dict[str, Any]) -> list[Any]:
         configs = prune(self, kwargs)
-        if len(configs) > 1:
-            started = _compile_all(self, configs, kwargs, pool)
-            if tally is not None:
-                tally.compiled_ahead += started
+        if check is not None and getattr(self, "cache_results", False):
+            launches[id(self)] = kwargs  # compiled in check_then_compile, at a miss of the disk cache
+        else:
+            compile_ahead(self, configs, kwargs)
         return configs
+
+    def check_then_compile(
+        self: Any, tuning_key: Any, configs: list[Any], bench_fn: Callable[[], None]
+    ) -> bool:
+        kwargs = launches.pop(id(self), None)
+
+        def compiled_then_timed() -> None:
+            if kwargs is not None:
+                compile_ahead(self, configs, kwargs)
+            bench_fn()
+
+        return check(self, tuning_key, configs, compiled_then_timed)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
         Autotuner.prune_configs = prune_and_compile
+        if check is not None:
+            Autotuner.check_disk_cache = check_then_compile
         try:
             yield
         finally:
             Autotuner.prune_configs = prune
+            if check is not None:
+                Autotuner.check_disk_cache = check

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dflash_trainer import startup
 from dflash_trainer.logs import rank, setup_logging
-from dflash_trainer.service import compile_caches
+from dflash_trainer.service import autotune_compile, compile_caches
 from dflash_trainer.service.notify import Heartbeat, Notifier
 from dflash_trainer.service.pause import PauseAt
 from dflash_trainer.service.process import die_with_launcher, process_started
@@ -41,6 +41,7 @@ class ServiceHooks:
 
     def __init__(self, cfg, notifier: Notifier, trackers) -> None:
         self.cfg, self.notifier, self.trackers = cfg, notifier, trackers
+        self.autotune = autotune_compile.AutotuneTally()  # the compiles started ahead in this process
         self.ready = False
         self.started = process_started()
         self.first_step_at: float | None = None
@@ -76,7 +77,10 @@ class ServiceHooks:
         if self.first_step_at is None:
             self.first_step_at, self.first_step = time.time(), m.step
             autotune_kept = os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"
-            log.info(compile_caches.report(self.caches_at_ready, compile_caches.snapshot(), autotune_kept))
+            line = compile_caches.report(self.caches_at_ready, compile_caches.snapshot(), autotune_kept)
+            if self.autotune.compiled_ahead:
+                line += f"; {self.autotune.compiled_ahead} autotune candidates compiled ahead on threads"
+            log.info(line)
         else:  # the first step carries warm-up (compilation, allocator); the rate leaves it out
             self.steps += 1
             self.tokens += m.seq_tokens
@@ -234,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipeline = topo is not None
         # The rank that speaks to systemd: the first drafter of a pipeline, else rank 0 (one process).
         speaker = topo.drafter_ranks[0] if topo is not None else 0
+        autotune_compile.workers_from_env()  # a bad DFLASH_COMPILE_WORKERS is named here, before loading
     except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
@@ -261,26 +266,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = 0
     try:
-        if pipeline:
-            checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
-            step = hooks.last.step if hooks.last else None
-            how = "stopped" if stop.is_set() else "finished"
-            if step is not None:  # the drafter leader: the one that saved
-                log.info("%s at step %d; checkpoint %s", how, step, checkpoint or "no checkpoint")
+        with autotune_compile.for_this_rank(cfg.train.device, hooks.autotune):  # the first step's autotuning
+            if pipeline:
+                checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
+                step = hooks.last.step if hooks.last else None
+                how = "stopped" if stop.is_set() else "finished"
+                if step is not None:  # the drafter leader: the one that saved
+                    log.info("%s at step %d; checkpoint %s", how, step, checkpoint or "no checkpoint")
+                else:
+                    log.info("%s", how)
             else:
-                log.info("%s", how)
-        else:
-            result = train(
-                cfg,
-                max_steps=args.max_steps,
-                hooks=[pause or hooks],
-                stop=stop,
-                on_ready=hooks.on_ready,
-                progress=Heartbeat(notifier),
-            )
-            how, step = ("stopped" if result.stopped else "finished"), result.step
-            where = result.checkpoint or "no checkpoint (nothing trained)"
-            log.info("%s at step %d; checkpoint %s", how, result.step, where)
+                result = train(
+                    cfg,
+                    max_steps=args.max_steps,
+                    hooks=[pause or hooks],
+                    stop=stop,
+                    on_ready=hooks.on_ready,
+                    progress=Heartbeat(notifier),
+                )
+                how, step = ("stopped" if result.stopped else "finished"), result.step
+                where = result.checkpoint or "no checkpoint (nothing trained)"
+                log.info("%s at step %d; checkpoint %s", how, result.step, where)
         faulthandler.cancel_dump_traceback_later()
         notifier.stopping(status=f"{how} at step {step}")
     except Exception as e:
