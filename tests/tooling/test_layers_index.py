@@ -164,7 +164,8 @@ def anchors(markdown: str) -> set[str]:
         n = seen.get(slug, 0)
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
+    # An explicit anchor, as a table row has no heading of its own.
+    return out | set(re.findall(r'<a id="([\w-]+)"></a>', markdown))
 
 
 def broken_links(root: Path, documents: list[Path]) -> list[str]:
@@ -326,10 +327,12 @@ def test_broken_links_and_anchors_are_named(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs/a.md").write_text(
         "# A\n\n## When a check fails: `make verify`\n\n```sh\n# not a heading\n```\n"
+        '| <a id="a-row"></a>a row | 1 |\n'
     )
     readme = tmp_path / "README.md"
     readme.write_text(
         "[ok](docs/a.md) [ok](docs/a.md#when-a-check-fails-make-verify) [web](https://example.org/x)\n"
+        "[ok](docs/a.md#a-row)\n"
         "[gone](docs/b.md) [bad anchor](docs/a.md#not-a-heading) `[in code](docs/c.md)`\n"
         "```\n[fenced](docs/d.md)\n```\n"
     )

@@ -148,7 +148,7 @@ def configs_compiled_at_once(workers: int, tally: AutotuneTally | None = None) -
     from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
-    check = getattr(Autotuner, "check_disk_cache", None)
+    check: Any = getattr(Autotuner, "check_disk_cache", None)  # Triton 3.x; without it, compile at the prune
     launches: dict[int, dict[str, Any]] = {}  # autotuner -> the keywords of its launch being tuned
 
     def compile_ahead(autotuner: Any, configs: list[Any], kwargs: dict[str, Any]) -> None:

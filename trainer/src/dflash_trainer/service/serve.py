@@ -147,6 +147,7 @@ class ServiceHooks:
             "tokens_per_s": self.tokens / self.busy_s if self.busy_s else None,
             "peak_memory_bytes": peak,
             "trackers_failed": {t.name: t.failed for t in self.trackers if t.failed},
+            "autotune_compiled_ahead": self.autotune.compiled_ahead,  # the first step's and the walks'
             "eval_step": self.last_eval[0] if self.last_eval else None,
             "eval": self.last_eval[1] if self.last_eval else {},
         }
