@@ -379,6 +379,23 @@ def test_a_kept_walk_walks_as_a_fresh_one_with_the_drafters_new_weights(
     assert kept.accepted_drafts >= 20 and longer.steps > 0
 
 
+def test_a_walk_under_another_autocast_builds_its_own_parts(trained, tiny_target, monkeypatch) -> None:
+    """The drafter's weights are cast to the caller's autocast dtype, so parts kept under bf16 must not serve
+    a walk under fp16. That walk builds its own; here transformers' static cache then refuses its fp16 keys
+    (index_copy_ of another dtype), and a walk that fails is not kept."""
+    t = trained("qwen3_5")
+    settings = WalkSettings(max_new_tokens=4, cache="static")
+    model = load_target(tiny_target("qwen3_5"), dtype=torch.bfloat16, layer_ids=LAYER_IDS, full=True).model
+    built = _counting_builds(monkeypatch)
+    keep = KeptWalk()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decode_walk(model, t.drafter, t.prompts[:1], settings, keep)
+    assert len(built) == 1 and keep._parts is not None
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="same dtype"):
+        decode_walk(model, t.drafter, t.prompts[:1], settings, keep)
+    assert len(built) == 2 and keep._parts is None
+
+
 def test_a_closed_cache_holds_no_graph(trained) -> None:
     from dflash_trainer.evaluation.cuda_graph import Graphed
 
