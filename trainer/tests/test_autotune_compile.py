@@ -246,3 +246,11 @@ def test_a_cpu_run_leaves_the_autotuner_as_it_is() -> None:
     with for_this_rank("cpu", tally, env={}):
         _launch(_autotuner(kernel))
     assert tally.compiled_ahead == 0 and not any(run["warmup"] for run in kernel.runs)
+
+
+def test_a_gpu_rank_without_triton_runs_as_it_is(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", None)  # an import of it fails
+    with for_this_rank("cuda", AutotuneTally(), env={"DFLASH_COMPILE_WORKERS": "4"}):
+        pass

@@ -142,10 +142,13 @@ def configs_compiled_at_once(workers: int, tally: AutotuneTally | None = None) -
     before it looks in that cache (`check_disk_cache`, triton/runtime/autotuner.py), so the compiles start
     only when the cache has no result and the autotuner is about to time the candidates: a warm restart
     loads the one kernel it runs, not every candidate."""
-    if workers < 2:
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # no Triton, no autotuner to help: a CUDA run without FLA kernels
+        Autotuner = None
+    if workers < 2 or Autotuner is None:
         yield
         return
-    from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
     check: Any = getattr(Autotuner, "check_disk_cache", None)  # Triton 3.x; without it, compile at the prune
