@@ -54,8 +54,10 @@ def workers_from_env(env: dict[str, str] | os._Environ[str] = os.environ, ranks_
 def for_this_rank(
     device: str, tally: AutotuneTally, env: dict[str, str] | os._Environ[str] = os.environ
 ) -> contextlib.AbstractContextManager[None]:
-    """A GPU rank's autotuning misses compiled ahead (the first step's FLA kernels at the training shapes, the
-    walk's at its own), on its share of the node's CPUs; a CPU run has no Triton kernels to tune."""
+    """A GPU rank's autotuning misses compiled ahead, on its share of the node's CPUs: the Triton kernels it
+    launches outside a compiled graph (the decode walk's FLA kernels). Those inside `torch.compile` are tuned
+    by inductor, not by Triton's Autotuner (an H100 rehearsal's first step compiled none ahead:
+    docs/journal.md, session 19). A CPU run has no Triton kernels to tune."""
     if device == "cpu":
         return contextlib.nullcontext()
     return configs_compiled_at_once(workers_from_env(env, int(env.get("LOCAL_WORLD_SIZE") or 1)), tally)

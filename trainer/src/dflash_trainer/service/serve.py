@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = 0
     try:
-        with autotune_compile.for_this_rank(cfg.train.device, hooks.autotune):  # the first step's autotuning
+        with autotune_compile.for_this_rank(cfg.train.device, hooks.autotune):  # Triton's autotuning misses
             if pipeline:
                 checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
                 step = hooks.last.step if hooks.last else None
