@@ -254,3 +254,25 @@ def test_a_gpu_rank_without_triton_runs_as_it_is(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", None)  # an import of it fails
     with for_this_rank("cuda", AutotuneTally(), env={"DFLASH_COMPILE_WORKERS": "4"}):
         pass
+
+
+def test_serve_names_a_bad_worker_count_before_loading(tiny_target, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tiny_run import tiny_run_config
+
+    from dflash_trainer.fixtures.synth import synth_shards
+    from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
+
+    target, shards = tiny_target("qwen3_5"), tmp_path / "shards"
+    shards.mkdir()
+    synth_shards(target, shards, num_shards=1, rows=8, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
+    config = tiny_run_config(tmp_path / "train.toml", target, shards, train={"device": "cuda"})
+    env = os.environ | {"DFLASH_COMPILE_WORKERS": "many", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_trainer.service", "serve", str(config)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "configuration: DFLASH_COMPILE_WORKERS='many': must be a whole number" in proc.stderr + proc.stdout
