@@ -23,6 +23,7 @@ from dflash_trainer.service.autotune_compile import (  # noqa: E402
     AutotuneTally,
     configs_compiled_at_once,
     for_this_rank,
+    rank_workers,
     tallied,
     workers_from_env,
 )
@@ -234,7 +235,9 @@ def test_a_triton_without_the_property_is_said_not_tallied(monkeypatch) -> None:
 def test_a_gpu_rank_compiles_ahead_on_its_share_of_the_cpus(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     kernel, tally = StandInKernel(), AutotuneTally()
-    with for_this_rank("cuda", tally, env={"LOCAL_WORLD_SIZE": "4"}):  # 8 CPUs, 4 ranks: 2 threads each
+    workers = rank_workers({"LOCAL_WORLD_SIZE": "4"})  # 8 CPUs, 4 ranks: 2 threads each
+    assert workers == 2 and rank_workers({}) == 8
+    with for_this_rank("cuda", workers, tally):
         _launch(_autotuner(kernel))
     assert tally.compiled_ahead == 4
     assert {name.rsplit("_", 1)[0] for name in kernel.compiled.values()} == {"triton-compile"}
@@ -243,7 +246,7 @@ def test_a_gpu_rank_compiles_ahead_on_its_share_of_the_cpus(monkeypatch) -> None
 
 def test_a_cpu_run_leaves_the_autotuner_as_it_is() -> None:
     kernel, tally = StandInKernel(), AutotuneTally()
-    with for_this_rank("cpu", tally, env={}):
+    with for_this_rank("cpu", 8, tally):
         _launch(_autotuner(kernel))
     assert tally.compiled_ahead == 0 and not any(run["warmup"] for run in kernel.runs)
 
@@ -252,7 +255,7 @@ def test_a_gpu_rank_without_triton_runs_as_it_is(monkeypatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", None)  # an import of it fails
-    with for_this_rank("cuda", AutotuneTally(), env={"DFLASH_COMPILE_WORKERS": "4"}):
+    with for_this_rank("cuda", 4, AutotuneTally()):
         pass
 
 

@@ -204,9 +204,8 @@ class WalkParts:
     settings: WalkSettings  # progress is not compared
     max_len: int  # the longest prompt, its new tokens and a block: the static buffers' length
     block_size: int
-    autocast: tuple[
-        bool, torch.dtype
-    ]  # the caller's, on the walk's device: the drafter's weights are cast to it
+    # The caller's autocast (enabled, dtype) on the walk's device: the drafter's weights are cast to it.
+    autocast: tuple[bool, torch.dtype]
 
     def build(self) -> tuple[TargetCache, DraftRunner]:
         s = self.settings

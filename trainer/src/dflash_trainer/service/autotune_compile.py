@@ -14,7 +14,7 @@ arguments are the autotuner's `nargs` (the positional ones) and the launch's key
 call (its compile, unless compiled ahead) and the timing itself (triton.testing.do_bench's warm-up and
 repetitions), so the probe's line says which of the two the cold seconds are.
 
-The probe (service.gpu_probe) and each rank of a GPU run (service.serve, for its first step's autotuning)
+The probe (service.gpu_probe) and each rank of a GPU run (service.serve, the kernels outside torch.compile)
 compile at once on DFLASH_COMPILE_WORKERS threads, by default the CPUs the process may run on, shared among
 the node's ranks; 0 or 1 keeps Triton's own order. bench_preflight's `cold-serial` run measures Triton's order
 beside the default cold run (docs/benchmarks.md#preflight).
@@ -51,16 +51,20 @@ def workers_from_env(env: dict[str, str] | os._Environ[str] = os.environ, ranks_
     return int(text)
 
 
-def for_this_rank(
-    device: str, tally: AutotuneTally, env: dict[str, str] | os._Environ[str] = os.environ
-) -> contextlib.AbstractContextManager[None]:
-    """A GPU rank's autotuning misses compiled ahead, on its share of the node's CPUs: the Triton kernels it
-    launches outside a compiled graph (the decode walk's FLA kernels). Those inside `torch.compile` are tuned
-    by inductor, not by Triton's Autotuner (an H100 rehearsal's first step compiled none ahead:
+def rank_workers(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """A rank's worker count: DFLASH_COMPILE_WORKERS, else its share of the node's CPUs among the
+    LOCAL_WORLD_SIZE ranks the launcher started there."""
+    return workers_from_env(env, int(env.get("LOCAL_WORLD_SIZE") or 1))
+
+
+def for_this_rank(device: str, workers: int, tally: AutotuneTally) -> contextlib.AbstractContextManager[None]:
+    """A GPU rank's autotuning misses compiled ahead on `workers` threads (`rank_workers`): the Triton kernels
+    it launches outside a compiled graph (the decode walk's FLA kernels). Those inside `torch.compile` are
+    tuned by inductor, not by Triton's Autotuner (an H100 rehearsal's first step compiled none ahead:
     docs/journal.md, session 19). A CPU run has no Triton kernels to tune."""
     if device == "cpu":
         return contextlib.nullcontext()
-    return configs_compiled_at_once(workers_from_env(env, int(env.get("LOCAL_WORLD_SIZE") or 1)), tally)
+    return configs_compiled_at_once(workers, tally)
 
 
 def _compile_all(autotuner: Any, configs: list[Any], kwargs: dict[str, Any], pool: ThreadPoolExecutor) -> int:

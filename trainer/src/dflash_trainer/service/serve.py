@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipeline = topo is not None
         # The rank that speaks to systemd: the first drafter of a pipeline, else rank 0 (one process).
         speaker = topo.drafter_ranks[0] if topo is not None else 0
-        autotune_compile.workers_from_env()  # a bad DFLASH_COMPILE_WORKERS is named here, before loading
+        compile_workers = autotune_compile.rank_workers()  # a bad DFLASH_COMPILE_WORKERS named before loading
     except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = 0
     try:
-        with autotune_compile.for_this_rank(cfg.train.device, hooks.autotune):  # Triton's autotuning misses
+        with autotune_compile.for_this_rank(cfg.train.device, compile_workers, hooks.autotune):
             if pipeline:
                 checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
                 step = hooks.last.step if hooks.last else None
