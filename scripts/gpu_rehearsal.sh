@@ -31,5 +31,5 @@ if [ -n "${TARGET_COMPILE:-}" ]; then  # the reference configuration with train.
 fi
 python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@"
 rc=$?
-cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
+cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/unit-start.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
 exit $rc

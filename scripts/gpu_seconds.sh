@@ -10,7 +10,8 @@
 #              (WALK_VARIANTS: bench_walk's --variants, e.g. "graph/recorded graph/recorded+kept")
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
-#   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15: preflight, launch, restart, evaluation's share
+#   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15 --unit-start: preflight, launch, restart,
+#              evaluation's share, then the unit's first start after that smoke run (the real configuration)
 #              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such)
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
@@ -61,8 +62,8 @@ start)
       cut=()
       [ -n "${PREFLIGHT_LAYERS:-}" ] && cut=(--layers "$PREFLIGHT_LAYERS" --target-dir "/dev/shm/dflash/model-$PREFLIGHT_LAYERS")
       OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
-        --stop-at 15 "${cut[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 60
-      grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   triton" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
+        --stop-at 15 --unit-start "${cut[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 60
+      grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   (triton|caches)|torch.compile" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
     fi
     if want target; then
       echo "=== target forward, 8-layer slice ($(date -u +%T))"

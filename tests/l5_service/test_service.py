@@ -181,3 +181,18 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(fresh):
         print(f"\n{warnings[0]}")
     finally:
         ct.sh(f"systemctl stop dflash-train; umount {tb}", check=False)
+
+
+def test_the_smoke_run_preflights_as_the_unit_does_into_its_cache_directory(fresh):
+    """dflash-smoke's preflight runs as the unit's ExecStartPre does (the trainer's user, the unit's sandbox)
+    with its CacheDirectory=, so the kernels and verdicts its GPU probes keep are the ones the unit's first
+    start after `make smoke-train` finds (its caches line names them; on CPU nothing is compiled)."""
+    ct = fresh
+    run = ct.sh("DFLASH_SMOKE_STEPS=12 DFLASH_SMOKE_STOP_AT=6 dflash-smoke", check=False, timeout=3 * START_S)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and out.rstrip().endswith("PASS"), out[-4000:]
+    caches = next((line for line in out.splitlines() if " caches: " in line), None)
+    assert caches is not None, out[-4000:]
+    cache = "/var/cache/dflash-train"
+    assert f"triton {cache}/triton (" in caches and f"inductor {cache}/inductor (" in caches, caches
+    assert f"probe verdicts {cache}/dflash-preflight/probe-verdicts.json" in caches, caches

@@ -51,3 +51,17 @@ def test_graph_cache_misses_alone_are_not_warm():
 def test_no_cache_directories_are_said(tmp_path):
     empty = compile_caches.snapshot({})
     assert "none configured" in compile_caches.report(empty, empty, autotune_kept=False)
+
+
+def test_the_line_says_what_torch_compile_spent_since_the_snapshot(tmp_path):
+    import torch
+
+    env = _env(tmp_path)
+    before = compile_caches.snapshot(env)
+    step = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")  # no codegen: a second on CPU
+    step(torch.randn(8))
+    after = compile_caches.snapshot(env)
+    assert after.frames == before.frames + 1 and after.compile_s > before.compile_s
+    line = compile_caches.report(before, after, autotune_kept=True)
+    assert "; torch.compile " in line and " s in 1 frames, inductor 0.0 s of it" in line, line
+    assert "torch.compile" not in compile_caches.report(after, after, autotune_kept=True)

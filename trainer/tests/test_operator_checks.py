@@ -6,6 +6,7 @@ torch loads."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -262,3 +263,50 @@ def test_synthetic_data_never_holds_the_mask_token(tmp_path):
     table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
     ids = np.concatenate([np.asarray(row) for row in table.column("input_ids").to_pylist()])
     assert ids.size == 64 * 24 and ids.max() < TINY_MASK_TOKEN_ID
+
+
+def caches_check(tmp_path: Path, monkeypatch, env: dict[str, str], *, compile: bool = True) -> str:
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "DFLASH_PROBE_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    ctx = context(write_config(tmp_path, {"train": {"compile": compile}}))
+    return preflight.check_caches(ctx)
+
+
+def test_caches_check_says_warm_or_empty_and_names_each_directory(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    env = {
+        "XDG_CACHE_HOME": str(cache),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+    }
+    empty = caches_check(tmp_path, monkeypatch, env)
+    assert empty == (
+        f"empty: this start compiles every kernel (a minute or more on a GPU): inductor {cache}/inductor "
+        f"(0 files), triton {cache}/triton (0 files); probe verdicts "
+        f"{cache}/dflash-preflight/probe-verdicts.json (none kept)"
+    )
+    for name, count in (("triton", 3), ("inductor", 2)):
+        (cache / name / "sub").mkdir(parents=True)
+        for i in range(count):
+            (cache / name / "sub" / f"k{i}").write_text("x")
+    (cache / "dflash-preflight").mkdir()
+    (cache / "dflash-preflight" / "probe-verdicts.json").write_text("{}")
+    warm = caches_check(tmp_path, monkeypatch, env)
+    assert warm.startswith(f"warm: inductor {cache}/inductor (2 files), triton {cache}/triton (3 files); ")
+    assert warm.endswith("probe-verdicts.json (kept)")
+    shutil.rmtree(cache / "inductor")
+    assert caches_check(tmp_path, monkeypatch, env).startswith("partly warm: inductor")
+
+
+def test_caches_unset_warn_where_a_start_compiles_and_skip_where_nothing_does(tmp_path, monkeypatch):
+    with pytest.raises(preflight.Warned) as warned:
+        caches_check(tmp_path, monkeypatch, {})
+    assert "TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR unset" in warned.value.detail
+    assert "dflash-smoke" in warned.value.fix
+    with pytest.raises(preflight.Skipped, match=r"nothing is compiled on CPU without train\.compile"):
+        caches_check(tmp_path, monkeypatch, {}, compile=False)
+    cache = tmp_path / "c"
+    with pytest.raises(preflight.Skipped, match=f"triton {cache}/t \\(0 files\\)"):
+        caches_check(tmp_path, monkeypatch, {"TRITON_CACHE_DIR": str(cache / "t")}, compile=False)

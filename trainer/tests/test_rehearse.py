@@ -39,12 +39,13 @@ SMALL = {
 
 @pytest.mark.system
 def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
-    """Two ranks (1:1 over gloo), as the two-GPU rehearsal; then the fault: one rank SIGKILLed mid-run."""
+    """Two ranks (1:1 over gloo), as the two-GPU rehearsal; then the unit's first start after it, and the
+    fault: one rank SIGKILLed mid-run."""
     out = tmp_path / "run"
     target = str(tmp_path / "target")
     cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out),
            "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3",
-           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "40"]  # fmt: skip
+           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "40", "--unit-start"]  # fmt: skip
     for key, value in SMALL.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(
@@ -67,6 +68,13 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
         assert part in drafter_start, phase2["start_breakdown"]
     assert "target" in target_start and "held-out rows" in target_start, phase2["start_breakdown"]
     assert (out / "export" / "config.json").is_file()
+    # The unit's first start after the smoke run: the real configuration from step 0, the smoke run's caches.
+    unit = figures["unit_start"]
+    assert unit["ok"] and unit["preflight_exit"] == 0 and unit["first_step_s"] > 0, unit
+    assert f"triton {out}/cache/triton (" in unit["caches_preflight"], unit
+    resumed = "resumed from "  # the drafter's line of a start from a checkpoint, as phase 2's
+    assert resumed in (out / "phase2.log").read_text()
+    assert resumed not in (out / "unit-start.log").read_text()  # its own checkpoint directory: from step 0
     fault = figures["fault"]
     assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank
     assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault

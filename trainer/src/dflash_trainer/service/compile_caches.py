@@ -27,6 +27,10 @@ class CacheCounts:
     files: dict[str, int]  # cache name -> files under its directory
     graph_hits: int
     graph_misses: int
+    # torch.compile's own clock in this process: frames compiled, their seconds, inductor's share of them
+    frames: int = 0
+    compile_s: float = 0.0
+    inductor_s: float = 0.0
 
 
 def directories(env: dict[str, str] | os._Environ = os.environ) -> dict[str, Path]:
@@ -34,15 +38,21 @@ def directories(env: dict[str, str] | os._Environ = os.environ) -> dict[str, Pat
 
 
 def snapshot(env: dict[str, str] | os._Environ = os.environ) -> CacheCounts:
-    hits = misses = 0
+    hits = misses = frames = 0
+    compile_s = inductor_s = 0.0
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import compilation_time_metrics, counters
 
         hits = int(counters["inductor"]["fxgraph_cache_hit"])
         misses = int(counters["inductor"]["fxgraph_cache_miss"])
+        # dynamo_timed records one entry per frame dynamo compiled (backend included) and per inductor call
+        frames = len(compilation_time_metrics.get("_compile.compile_inner", []))
+        compile_s = float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+        inductor_s = float(sum(compilation_time_metrics.get("compile_fx_inner", [])))
     except Exception:  # counters are torch internals: without them the file counts still tell
         pass
-    return CacheCounts({n: count_files(d) for n, d in directories(env).items()}, hits, misses)
+    files = {n: count_files(d) for n, d in directories(env).items()}
+    return CacheCounts(files, hits, misses, frames, compile_s, inductor_s)
 
 
 def report(before: CacheCounts, after: CacheCounts, autotune_kept: bool) -> str:
@@ -53,6 +63,12 @@ def report(before: CacheCounts, after: CacheCounts, autotune_kept: bool) -> str:
     hits, misses = after.graph_hits - before.graph_hits, after.graph_misses - before.graph_misses
     parts = [f"{name} +{added[name]} files ({after.files.get(name, 0)} kept)" for name in sorted(added)]
     parts.append(f"inductor FX graph cache {hits} hits, {misses} misses")
+    frames = after.frames - before.frames
+    if frames:  # where a slow first step's seconds went, beside what the caches gained
+        parts.append(
+            f"torch.compile {after.compile_s - before.compile_s:.1f} s in {frames} frames, inductor "
+            f"{after.inductor_s - before.inductor_s:.1f} s of it"
+        )
     if not any(added.values()) and not misses:
         verdict = "warm: every kernel and graph came from the cache"
     elif not any(before.files.values()):

@@ -707,6 +707,40 @@ def _tracker_problem(ctx: Context, cfg: TrainConfig, name: str) -> tuple[str, st
     return None
 
 
+def check_caches(ctx: Context) -> str:
+    """The compile caches this start reads (the unit's CacheDirectory=, service.compile_caches): a warm start
+    compiles little, a cold one compiles every kernel in its first step. Said before the probes add to them.
+    """
+    from dflash_trainer.service import compile_caches, probe_cache
+
+    cfg = ctx.need_cfg()
+    compiles = ctx.facts.get("device") == "cuda" or cfg.train.compile
+    found = compile_caches.directories()
+    if not found:
+        unset = " and ".join(compile_caches.CACHE_VARIABLES.values())
+        if not compiles:
+            raise Skipped(f"{unset} unset; nothing is compiled on CPU without train.compile")
+        raise Warned(
+            f"{unset} unset: this start compiles every kernel into a temporary cache (a minute or more on a "
+            "GPU), and so does the next",
+            "start it through dflash-train.service or dflash-smoke: their environment points both at the "
+            "unit's CacheDirectory=",
+        )
+    files = {name: compile_caches.count_files(path) for name, path in found.items()}
+    held = ", ".join(f"{name} {found[name]} ({files[name]} files)" for name in sorted(found))
+    verdicts = probe_cache.cache_path()
+    held += f"; probe verdicts {verdicts} ({'kept' if verdicts.exists() else 'none kept'})"
+    if all(files.values()):
+        state = "warm"
+    elif any(files.values()):
+        state = "partly warm"
+    else:
+        state = "empty: this start compiles every kernel (a minute or more on a GPU)"
+    if not compiles:
+        raise Skipped(f"{held}; nothing is compiled on CPU without train.compile")
+    return f"{state}: {held}"
+
+
 def _mask_token_check(ctx: Context) -> str:
     from dflash_trainer.service.mask_token import preflight_check
 
@@ -727,6 +761,7 @@ CHECKS: list[tuple[str, Callable[[Context], str]]] = [
     ("devices", check_devices),
     ("host-memory", check_host_memory),
     ("memlock", check_memlock),
+    ("caches", check_caches),
     ("fla", check_fla),
     ("triton", check_triton),
     ("trackers", check_trackers),

@@ -118,6 +118,7 @@ class Phase:
     launched_at: float = 0.0
     ready_s: float | None = None  # launch -> READY=1
     first_step_s: float | None = None  # launch -> the first finished step (the rank's summary)
+    paused_s: float | None = None  # launch -> the pause's STATUS (--pause-at; after that step finished)
     term_to_exit_s: float | None = None  # SIGTERM -> the launcher's exit (phase 1: includes the final save)
     watchdog_pings: int = 0
     wall_s: float = 0.0
@@ -169,6 +170,7 @@ def run_phase(
     pause_at: int | None,
     timeout: float,
     memory: HostMemory | None = None,
+    stop: signal.Signals = signal.SIGTERM,
 ) -> Phase:
     phase = Phase(name)
     log_path = out / f"{name}.log"
@@ -182,9 +184,12 @@ def run_phase(
             time.sleep(0.2)
         if proc.poll() is None:
             term = time.time()
-            why = f"paused at step {pause_at}" if time.time() < deadline else "TIMEOUT"
-            say(f"{name}: {why}; SIGTERM")
-            proc.send_signal(signal.SIGTERM)
+            paused = term < deadline
+            if paused:
+                phase.paused_s = term - start
+            stop = stop if paused else signal.SIGTERM
+            say(f"{name}: {f'paused at step {pause_at}' if paused else 'TIMEOUT'}; {stop.name}")
+            proc.send_signal(stop)
             try:
                 proc.wait(timeout=max(60.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -212,6 +217,8 @@ def run_phase(
         phase.summaries.append(summary)
         if summary.get("first_step_at") and phase.first_step_s is None:
             phase.first_step_s = summary["first_step_at"] - start
+    if phase.first_step_s is None and pause_at == 1:  # killed at the pause: no summary, the pause tells
+        phase.first_step_s = phase.paused_s
     say(
         f"{name}: exit {phase.exit_code} after {phase.wall_s:.1f} s; READY after {phase.ready_s} s; "
         f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings; "
@@ -384,7 +391,8 @@ def write_config(base: Path, out: Path, *, target: Path, shards: Path, world: in
     rehearsal = {
         "model": {"target_path": str(target)},
         "data": {"shards": str(shards), "held_out": min(held_out, 8)},
-        "train": {"checkpoint_dir": str(out / "checkpoints")},
+        # Not the smoke run's (OUT/checkpoints): the unit's first start (--unit-start) finds none.
+        "train": {"checkpoint_dir": str(out / "unit" / "checkpoints")},
         "trackers": {"tensorboard": str(out / "tensorboard")},
         "topology": {"targets": targets, "drafters": drafters},
     }
@@ -397,6 +405,37 @@ def write_config(base: Path, out: Path, *, target: Path, shards: Path, world: in
         "# Written by dflash_trainer.service.rehearse.\n" + to_toml(overlay(tables, rehearsal, named))
     )
     return path
+
+
+def run_unit_start(
+    config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, timeout: float
+) -> dict:
+    """The unit's first start after `make smoke-train` on a new CT: preflight, then `launch -- serve` of the
+    real configuration (no checkpoint yet) to its first step, with the caches the smoke run left. Killed at
+    the pause after step 1 (SIGKILL): the rest is phase 1's again, and its save would write a checkpoint."""
+    start = time.time()
+    pre = subprocess.run(
+        [*CLI, "preflight", "--nproc", str(world), str(config)],
+        env=env, check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    figures: dict = {"preflight_s": round(time.time() - start, 2), "preflight_exit": pre.returncode}
+    print(pre.stdout + pre.stderr, end="", flush=True)
+    if pre.returncode != 0:
+        return figures | {"ok": False}
+    cmd = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config), "--pause-at", "1"]
+    phase = run_phase("unit-start", cmd, env, out, notify, pause_at=1, timeout=timeout, stop=signal.SIGKILL)
+    text = (out / "unit-start.log").read_text()
+    figures |= {
+        "ready_s": phase.ready_s,
+        "first_step_s": phase.first_step_s,
+        "to_first_step_s": None
+        if phase.first_step_s is None
+        else round(figures["preflight_s"] + phase.first_step_s, 2),
+        "caches_line": next((line for line in text.splitlines() if "compile caches after" in line), None),
+        "caches_preflight": next((line for line in pre.stdout.splitlines() if " caches: " in line), None),
+        "ok": phase.first_step_s is not None,
+    }
+    return figures
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -431,6 +470,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SECTION.KEY=VALUE over the configuration (repeatable)",
     )
     parser.add_argument("--phase-timeout", type=float, default=900)
+    parser.add_argument(
+        "--unit-start",
+        action="store_true",
+        help="afterwards: the unit's first start after the smoke run (real configuration) to its first step",
+    )
     parser.add_argument("--fault-rank", type=int, help="afterwards: SIGKILL this rank mid-run, then restart")
     parser.add_argument("--fault-steps", type=int, default=30, help="steps of the fault scenario's own run")
     parser.add_argument(
@@ -477,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Where L3 keeps them in CT 200: a restart finds the kernels compiled and autotuned.
         "TRITON_CACHE_DIR": str(out / "cache" / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(out / "cache" / "inductor"),
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "XDG_CACHE_HOME": str(out / "cache"),  # preflight's probe verdicts, beside them as in the unit
     }
     notify = NotifyListener(out / "notify.sock")
     memory = HostMemory()
@@ -509,6 +555,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             check=False,
         )
         ok = ok and export.returncode == 0 and check.returncode == 0
+        if args.unit_start:
+            figures["unit_start"] = run_unit_start(
+                config, out, env, notify, world=world, timeout=args.phase_timeout
+            )
+            say(f"unit start after the smoke run: {figures['unit_start']}")
+            ok = ok and figures["unit_start"]["ok"]
         if args.efficiency:
             figures["efficiency"] = pipeline_efficiency(smoke_toml, world, env, p2.summaries)
             say(f"efficiency: {figures['efficiency']}")
