@@ -497,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures["target_write_s"] = stage_target(args.target_dir, args.shape, args.layers)
     shards = (args.shards_dir or out / "shards").resolve()
     overrides = config_overrides(args.overrides, args.layers)
+    # The real configuration's own keep_last would not fit a lent machine's disk (preflight's disk check).
+    overrides.setdefault("train.keep_last", args.keep_last)
     config = write_config(
         args.config, out, target=args.target_dir, shards=shards, world=world, overrides=overrides
     )
