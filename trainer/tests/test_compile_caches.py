@@ -64,4 +64,10 @@ def test_the_line_says_what_torch_compile_spent_since_the_snapshot(tmp_path):
     assert after.frames == before.frames + 1 and after.compile_s > before.compile_s
     line = compile_caches.report(before, after, autotune_kept=True)
     assert "; torch.compile " in line and " s in 1 frames, inductor 0.0 s of it" in line, line
-    assert "torch.compile" not in compile_caches.report(after, after, autotune_kept=True)
+    assert "; torch.compile " not in compile_caches.report(after, after, autotune_kept=True)
+
+
+def test_a_first_step_that_compiled_nothing_is_not_called_warm():
+    empty = compile_caches.CacheCounts({"triton": 0, "inductor": 0}, 0, 0)
+    line = compile_caches.report(empty, empty, autotune_kept=True)
+    assert "nothing compiled: the first step ran no torch.compile graph" in line and "warm" not in line

@@ -56,7 +56,7 @@ def snapshot(env: dict[str, str] | os._Environ = os.environ) -> CacheCounts:
 
 
 def report(before: CacheCounts, after: CacheCounts, autotune_kept: bool) -> str:
-    """One line: what the first step added to each cache, and the verdict (warm, cold, or partly)."""
+    """One line: what the first step added to each cache, and the verdict (warm, cold, partly, or nothing)."""
     if not before.files:
         return "compile caches: none configured (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR unset)"
     added = {n: after.files.get(n, 0) - before.files.get(n, 0) for n in before.files}
@@ -69,7 +69,9 @@ def report(before: CacheCounts, after: CacheCounts, autotune_kept: bool) -> str:
             f"torch.compile {after.compile_s - before.compile_s:.1f} s in {frames} frames, inductor "
             f"{after.inductor_s - before.inductor_s:.1f} s of it"
         )
-    if not any(added.values()) and not misses:
+    if not any(after.files.values()) and not (hits or misses or frames):  # a CPU run without train.compile
+        verdict = "nothing compiled: the first step ran no torch.compile graph and no Triton kernel"
+    elif not any(added.values()) and not misses:
         verdict = "warm: every kernel and graph came from the cache"
     elif not any(before.files.values()):
         verdict = "cold: empty caches, the first step compiled everything"
