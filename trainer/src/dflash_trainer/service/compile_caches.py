@@ -37,6 +37,11 @@ def directories(env: dict[str, str] | os._Environ = os.environ) -> dict[str, Pat
     return {name: Path(env[var]) for name, var in CACHE_VARIABLES.items() if env.get(var)}
 
 
+def file_counts(env: dict[str, str] | os._Environ = os.environ) -> dict[str, int]:
+    """Files under each configured cache directory (preflight's caches line, the first step's snapshot)."""
+    return {name: count_files(path) for name, path in directories(env).items()}
+
+
 def snapshot(env: dict[str, str] | os._Environ = os.environ) -> CacheCounts:
     hits = misses = frames = 0
     compile_s = inductor_s = 0.0
@@ -46,13 +51,12 @@ def snapshot(env: dict[str, str] | os._Environ = os.environ) -> CacheCounts:
         hits = int(counters["inductor"]["fxgraph_cache_hit"])
         misses = int(counters["inductor"]["fxgraph_cache_miss"])
         # dynamo_timed records one entry per frame dynamo compiled (backend included) and per inductor call
-        frames = len(compilation_time_metrics.get("_compile.compile_inner", []))
-        compile_s = float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+        compiled = compilation_time_metrics.get("_compile.compile_inner", [])
+        frames, compile_s = len(compiled), float(sum(compiled))
         inductor_s = float(sum(compilation_time_metrics.get("compile_fx_inner", [])))
     except Exception:  # counters are torch internals: without them the file counts still tell
         pass
-    files = {n: count_files(d) for n, d in directories(env).items()}
-    return CacheCounts(files, hits, misses, frames, compile_s, inductor_s)
+    return CacheCounts(file_counts(env), hits, misses, frames, compile_s, inductor_s)
 
 
 def report(before: CacheCounts, after: CacheCounts, autotune_kept: bool) -> str:

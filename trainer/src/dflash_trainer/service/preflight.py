@@ -726,7 +726,7 @@ def check_caches(ctx: Context) -> str:
             "start it through dflash-train.service or dflash-smoke: their environment points both at the "
             "unit's CacheDirectory=",
         )
-    files = {name: compile_caches.count_files(path) for name, path in found.items()}
+    files = compile_caches.file_counts()
     held = ", ".join(f"{name} {found[name]} ({files[name]} files)" for name in sorted(found))
     verdicts = probe_cache.cache_path()
     held += f"; probe verdicts {verdicts} ({'kept' if verdicts.exists() else 'none kept'})"

@@ -188,9 +188,9 @@ def run_phase(
             paused = term < deadline
             if paused:
                 phase.paused_s = term - start
-            stop = stop if paused else signal.SIGTERM
-            say(f"{name}: {f'paused at step {pause_at}' if paused else 'TIMEOUT'}; {stop.name}")
-            proc.send_signal(stop)
+            sent = stop if paused else signal.SIGTERM
+            say(f"{name}: {f'paused at step {pause_at}' if paused else 'TIMEOUT'}; {sent.name}")
+            proc.send_signal(sent)
             try:
                 proc.wait(timeout=max(60.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -218,11 +218,10 @@ def run_phase(
         phase.summaries.append(summary)
         if summary.get("first_step_at") and phase.first_step_s is None:
             phase.first_step_s = summary["first_step_at"] - start
-    if phase.first_step_s is None and pause_at == 1:  # killed at the pause: no summary, the pause tells
-        phase.first_step_s = phase.paused_s
     say(
         f"{name}: exit {phase.exit_code} after {phase.wall_s:.1f} s; READY after {phase.ready_s} s; "
-        f"first step after {phase.first_step_s} s; {phase.watchdog_pings} watchdog pings; "
+        f"first step after {phase.first_step_s} s; paused after {phase.paused_s} s; "
+        f"{phase.watchdog_pings} watchdog pings; "
         f"host memory at its lowest (GiB): {phase.host_memory_low_gib}"
     )
     return phase
@@ -426,15 +425,14 @@ def run_unit_start(
     cmd = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config), "--pause-at", "1"]
     phase = run_phase("unit-start", cmd, env, out, notify, pause_at=1, timeout=timeout, stop=signal.SIGKILL)
     text = (out / "unit-start.log").read_text()
+    first_step_s = phase.paused_s  # killed at the pause after step 1: no summary, the pause tells
     figures |= {
         "ready_s": phase.ready_s,
-        "first_step_s": phase.first_step_s,
-        "to_first_step_s": None
-        if phase.first_step_s is None
-        else round(figures["preflight_s"] + phase.first_step_s, 2),
+        "first_step_s": first_step_s,
+        "to_first_step_s": None if first_step_s is None else round(figures["preflight_s"] + first_step_s, 2),
         "caches_line": next((line for line in text.splitlines() if "compile caches after" in line), None),
         "caches_preflight": next((line for line in pre.stdout.splitlines() if " caches: " in line), None),
-        "ok": phase.first_step_s is not None,
+        "ok": first_step_s is not None,
     }
     return figures
 
