@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,36 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
         return cache[kind]
 
     return get
+
+
+@pytest.fixture
+def tiny_job(tiny_target, tmp_path: Path) -> Callable[..., Path]:
+    """tiny_job(trackers={...}) -> the TOML of a TINY_JOB_STEPS-step single-rank CPU run on manifested tiny
+    data (tiny_run.run_cli runs it)."""
+    from tiny_run import TINY_JOB_STEPS, tiny_run_config
+
+    from dflash_trainer.fixtures.synth import synth_shards
+    from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
+    from dflash_trainer.manifest import write_manifest
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target("qwen3_5"), target)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    synth_shards(target, shards, num_shards=1, rows=8, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
+    write_manifest(target)
+    write_manifest(shards)
+
+    def make(**overrides: dict) -> Path:
+        train = {
+            "max_steps": TINY_JOB_STEPS,
+            "checkpoint_dir": tmp_path / "ckpt",
+            "log_every": 1,
+            "keep_last": 1,
+        }
+        return tiny_run_config(tmp_path / "train.toml", target, shards, train=train, **overrides)
+
+    return make
 
 
 @pytest.fixture

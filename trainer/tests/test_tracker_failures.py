@@ -5,21 +5,12 @@ exit 0) and in the run (which finishes its steps)."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-from tiny_run import tiny_run_config
+from tiny_run import TINY_JOB_STEPS as STEPS
+from tiny_run import run_cli as run
 
-from dflash_trainer.fixtures.synth import synth_shards
-from dflash_trainer.fixtures.tiny import TINY_MASK_TOKEN_ID
-from dflash_trainer.manifest import write_manifest
-
-STEPS = 6
 # A stand-in for a wandb whose server cannot be reached: the API the code calls (trackers.WANDB_NEEDS), and an
 # init that fails as wandb's does once its init_timeout has passed (wandb/sdk/wandb_init.py raises
 # CommError "Run initialization has timed out after ... sec"), without the test waiting that minute.
@@ -56,35 +47,6 @@ SummaryWriter.add_scalar = add_scalar
 from dflash_trainer.service.serve import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-@pytest.fixture
-def tiny_job(tiny_target, tmp_path: Path) -> Callable[..., Path]:
-    """tiny_job(trackers={...}) -> the TOML of a 6-step single-rank CPU run on manifested tiny data."""
-    target = tmp_path / "target"
-    shutil.copytree(tiny_target("qwen3_5"), target)
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    synth_shards(target, shards, num_shards=1, rows=8, seq_len=24, seed=0, vocab_size=TINY_MASK_TOKEN_ID)
-    write_manifest(target)
-    write_manifest(shards)
-
-    def make(**overrides: dict) -> Path:
-        train = {"max_steps": STEPS, "checkpoint_dir": tmp_path / "ckpt", "log_every": 1, "keep_last": 1}
-        return tiny_run_config(tmp_path / "train.toml", target, shards, train=train, **overrides)
-
-    return make
-
-
-def run(argv: list[str], *, code: str | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
-    cmd = (
-        [sys.executable, "-c", code, *argv]
-        if code
-        else [sys.executable, "-m", "dflash_trainer.service", *argv]
-    )
-    environ = os.environ | {"OMP_NUM_THREADS": "1", "DFLASH_MANIFEST_PINS_DIR": "/nonexistent"} | (env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300, check=False)
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def stub_wandb(tmp_path: Path) -> dict[str, str]:

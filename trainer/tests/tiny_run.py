@@ -4,6 +4,9 @@ test_config uses): one base, each test overriding keys by section."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +42,17 @@ def tiny_run_config(path: Path, target: Path, shards: Path, **overrides: dict[st
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(toml_text(sections))
     return path
+
+
+TINY_JOB_STEPS = 6  # conftest's tiny_job: a run of this many steps
+
+
+def run_cli(
+    argv: list[str], *, code: str | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """`python -m dflash_trainer.service ARGV` (or `python -c CODE ARGV`) in a subprocess: (code, output)."""
+    entry = ["-c", code] if code else ["-m", "dflash_trainer.service"]
+    cmd = [sys.executable, *entry, *argv]
+    environ = os.environ | {"OMP_NUM_THREADS": "1", "DFLASH_MANIFEST_PINS_DIR": "/nonexistent"} | (env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300, check=False)
+    return proc.returncode, proc.stdout + proc.stderr

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trainer import stack_sampler
 from dflash_trainer.service.pause import PAUSED
 
 REPO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "reference.toml"
@@ -175,6 +176,8 @@ def run_phase(
 ) -> Phase:
     phase = Phase(name)
     log_path = out / f"{name}.log"
+    if env.get(stack_sampler.ENV):  # each phase's start profile in a directory of its own
+        env = env | {stack_sampler.ENV: str(Path(env[stack_sampler.ENV]) / name)}
     phase.launched_at = start = time.time()
     say(f"{name}: {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

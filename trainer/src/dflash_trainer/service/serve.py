@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_trainer import startup
+from dflash_trainer import stack_sampler, startup
 from dflash_trainer.logs import rank, setup_logging
 from dflash_trainer.service import autotune_compile, compile_caches
 from dflash_trainer.service.notify import Heartbeat, Notifier
@@ -53,6 +53,7 @@ class ServiceHooks:
         self.last = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
         self._relayed: int | None = None
+        self.profile: stack_sampler.StackSampler | None = None  # $DFLASH_PROFILE_START: start to first step
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -70,6 +71,8 @@ class ServiceHooks:
         log.info("ready: target, drafter, data and the newest checkpoint loaded on every rank; %s", since)
         log.info("start: %s", startup.breakdown(now - self.started))  # where a warm restart's seconds went
         self.caches_at_ready = compile_caches.snapshot()
+        if self.profile is not None:
+            self.profile.mark("READY -> first step")
 
     def __call__(self, m) -> None:
         if not self.ready:  # the loop has no ready hook: the first finished step proves everything loaded
@@ -81,6 +84,9 @@ class ServiceHooks:
             if self.autotune.compiled_ahead:
                 line += f"; {self.autotune.compiled_ahead} autotune candidates compiled ahead on threads"
             log.info(line)
+            if self.profile is not None:
+                log.info("start profile: %s", stack_sampler.write_report(self.profile, rank()))
+                self.profile = None
         else:  # the first step carries warm-up (compilation, allocator); the rate leaves it out
             self.steps += 1
             self.tokens += m.seq_tokens
@@ -212,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     die_with_launcher()
     setup_logging()
+    profile = stack_sampler.from_environment(
+        f"serve's start -> READY (the process started {time.time() - process_started():.1f} s before)"
+    )
     stop = threading.Event()
     hooks_box: list[ServiceHooks] = []
     voice = [Notifier({})]  # this rank's notifier, once the configuration says which rank speaks
@@ -260,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with startup.phase("trackers"):
         trackers = start_trackers(cfg) if rank() == speaker else []
     hooks = ServiceHooks(cfg, notifier, trackers)
+    hooks.profile = profile
     hooks_box.append(hooks)
     pause = PauseAt(hooks, args.pause_at, notifier, stop) if args.pause_at is not None else None
     notifier.status("loading target, drafter, data and the newest checkpoint")

@@ -1,0 +1,80 @@
+"""The start profile: where a start's seconds went, from a sampler of the main thread's stack."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from tiny_run import run_cli
+
+from dflash_trainer.stack_sampler import StackSampler, Window, inclusive, summarize
+
+
+def test_a_function_counts_once_per_sample_that_holds_it_recursion_included() -> None:
+    stacks = Counter({("a", "b", "a"): 3, ("a", "c"): 1})
+    assert inclusive(stacks) == Counter({"a": 4, "b": 3, "c": 1})
+
+
+def test_the_summary_gives_each_function_its_share_of_the_window_in_seconds() -> None:
+    window = Window("load", started=10.0, ended=12.0, stacks=Counter({("main", "load"): 3, ("main", "x"): 1}))
+    lines = summarize(window).splitlines()
+    assert lines[0] == "== load: 2.0 s, 4 samples"
+    assert lines[1].split() == ["2.00", "s", "100.0", "%", "main"]
+    assert lines[2].split() == ["1.50", "s", "75.0", "%", "load"]
+    assert lines[3].split() == ["0.50", "s", "25.0", "%", "x"]
+
+
+def spin_in_first(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def sleep_in_second(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def samples_in(window: Window, function: str) -> int:
+    return inclusive(window.stacks)[f"tests/test_stack_sampler.py:{function}"]
+
+
+def test_the_sampler_names_the_function_each_window_spent_its_time_in() -> None:
+    sampler = StackSampler("first", interval=0.005).start()
+    spin_in_first(0.4)
+    sampler.mark("second")
+    sleep_in_second(0.3)
+    sampler.stop()
+    first, second = sampler.windows
+    assert first.samples > 10 and second.samples > 10
+    assert samples_in(first, "spin_in_first") >= 0.8 * first.samples
+    assert samples_in(first, "sleep_in_second") == 0
+    assert samples_in(second, "sleep_in_second") >= 0.8 * second.samples
+    report = sampler.report()
+    assert "== first: 0.4 s" in report and "== second: 0.3 s" in report
+    assert "first;" in report and "second;" in report  # the collapsed stacks, by window
+
+
+def test_an_interval_that_never_samples_is_refused() -> None:
+    with pytest.raises(ValueError, match="interval 0: must be > 0"):
+        StackSampler("x", interval=0)
+
+
+def test_serve_writes_the_start_profile_at_its_first_step(tiny_job, tmp_path) -> None:
+    profile = tmp_path / "profile"
+    code, out = run_cli(["serve", str(tiny_job())], env={"DFLASH_PROFILE_START": str(profile)})
+    assert code == 0, out
+    path = profile / "start-profile-rank0.txt"
+    assert f"start profile: {path}" in out
+    text = path.read_text()
+    starting, to_first_step = (line for line in text.splitlines() if line.startswith("== ") and "s," in line)
+    assert starting.startswith("== serve's start -> READY (the process started ")
+    assert to_first_step.startswith("== READY -> first step: ")
+    # The imports and the loading happened before READY; no training step did (the first is after it, and
+    # on this CPU lasts too few milliseconds to be sure of a sample).
+    stacks = text.split("== collapsed stacks\n", 1)[1].splitlines()
+    before = [line for line in stacks if line.startswith("serve's_start_->_READY")]
+    assert any("service/serve.py:main;train/loop.py:<module>;" in line for line in before)
+    assert not any("train/drafter_side.py:step;" in line for line in before)
+    assert all(line.startswith(("serve's_start_->_READY", "READY_->_first_step;")) for line in stacks)
+    assert not any("<frozen " in line for line in stacks)
