@@ -31,7 +31,7 @@ if [ -n "${TARGET_COMPILE:-}" ]; then  # the reference configuration with train.
 fi
 python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@"
 rc=$?
-cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/unit-start.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
+cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/unit-start*.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
 # DFLASH_PROFILE_START=DIR: each phase's start profile (DIR/PHASE/start-profile-rank<R>.txt), as PHASE-start-profile.txt
 if [ -n "${DFLASH_PROFILE_START:-}" ]; then
   for f in "$DFLASH_PROFILE_START"/*/start-profile-rank0.txt; do

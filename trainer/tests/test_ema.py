@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -155,6 +157,7 @@ def test_the_average_starts_at_begin_and_a_loaded_average_is_not_overwritten():
     ema = CpuEma(module, decay=0.5, every=1)
     start = module.weight.detach().clone()
     ema.begin()
+    ema.before_weights_change()
     with torch.no_grad():
         module.weight.add_(1.0)  # the first optimizer step, after begin
     ema.update(module, step=1)
@@ -185,3 +188,30 @@ def test_nothing_is_staged_before_prepare_so_a_resume_copies_alone():
     ema.update(module, step=2)
     ema.wait()
     assert ema.num_updates == 5
+
+
+def test_a_fresh_start_copies_the_weights_beside_the_first_step_which_waits_before_changing_them():
+    """`begin` on a fresh start returns at once: the worker copies the weights (blocking, the copy cost the
+    first step 5-7 s on an H100). The optimizer step waits for it in `before_weights_change`, so the average
+    still starts at the weights of `begin`. Here the worker's copy is held back by a writer holding the
+    average (`freeze`'s lock), so both waits can be seen."""
+    module = nn.Linear(3, 2)
+    start = module.weight.detach().clone()
+    ema = CpuEma(module, decay=0.5, every=1)
+    ema._frozen.acquire()  # a checkpoint writer: the copy cannot hand its shadow over
+    changed = threading.Event()
+    try:
+        began = threading.Thread(target=ema.begin, daemon=True)
+        began.start()
+        began.join(timeout=5)
+        assert not began.is_alive()  # begin did not wait for the copy
+        step = threading.Thread(target=lambda: (ema.before_weights_change(), changed.set()), daemon=True)
+        step.start()
+        assert not changed.wait(0.3)  # the optimizer step waits for the copy
+    finally:
+        ema._frozen.release()
+    assert changed.wait(5)
+    with torch.no_grad():
+        module.weight.add_(1.0)  # the first optimizer step
+    torch.testing.assert_close(ema.weights()["weight"], start)
+    assert ema._staging == {}  # no pinning beside the first step: `prepare` comes after it

@@ -11,8 +11,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+TRAINER_SRC = Path(__file__).resolve().parents[1] / "src"  # the side-by-side run's "before": the same
 
 SMALL = {
     "drafter.mask_token_id": "511",
@@ -45,7 +48,8 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     target = str(tmp_path / "target")
     cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out),
            "--shape", "qwen3.6-mini", "--target-dir", target, "--steps", "6", "--stop-at", "3",
-           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "40", "--unit-start"]  # fmt: skip
+           "--nproc", "2", "--fault-rank", "1", "--fault-steps", "40", "--unit-start", "--unit-start-cold",
+           "--unit-start-before", str(TRAINER_SRC)]  # fmt: skip
     for key, value in SMALL.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(
@@ -68,13 +72,15 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
         assert part in drafter_start, phase2["start_breakdown"]
     assert "target" in target_start and "held-out rows" in target_start, phase2["start_breakdown"]
     assert (out / "export" / "config.json").is_file()
-    # The unit's first start after the smoke run: the real configuration from step 0, the smoke run's caches.
-    unit = figures["unit_start"]
-    assert unit["ok"] and unit["preflight_exit"] == 0 and unit["first_step_s"] > 0, unit
-    assert f"triton {out}/cache/triton (" in unit["caches_preflight"], unit
+    # The unit's first start: the real configuration from step 0, each on caches of its own (cold), first
+    # with the trainer at --unit-start-before.
     resumed = "resumed from "  # the drafter's line of a start from a checkpoint, as phase 2's
     assert resumed in (out / "phase2.log").read_text()
-    assert resumed not in (out / "unit-start.log").read_text()  # its own checkpoint directory: from step 0
+    for name in ("unit-start-before", "unit-start"):
+        unit = figures[name.replace("-", "_")]
+        assert unit["ok"] and unit["preflight_exit"] == 0 and unit["first_step_s"] > 0, unit
+        assert f"triton {out}/cache-{name}/triton (" in unit["caches_preflight"], unit
+        assert resumed not in (out / f"{name}.log").read_text()  # its own checkpoint directory: from step 0
     fault = figures["fault"]
     assert fault["exit_code"] not in (0, None) and fault["named"], fault  # the job ended, naming the rank
     assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault

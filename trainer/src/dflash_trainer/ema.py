@@ -13,6 +13,7 @@ of the step it was saved at; a fold due meanwhile waits for the write of ema.pt 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,7 @@ class CpuEma:
         self._started = False
         self._pending: Future | None = None
         self._prepared = False
+        self._copying: Future | None = None  # a fresh start's copy of the weights (begin)
 
     def _submit(self, task: Callable[..., None], *args: object) -> None:
         """Queues `task` behind the worker's previous one, whose failure it passes on (a resume queues
@@ -75,17 +77,42 @@ class CpuEma:
     def begin(self) -> None:
         """Starts the average at the module's weights of now, once; a no-op after `load_state_dict`.
 
-        The trainer calls it before its first optimizer step, so a resume never copies weights that the
-        checkpoint's average replaces. A fresh start copies them to fp32 host tensors directly (blocking: the
-        staging buffers are pinned later, see `prepare`).
+        The trainer calls it before its first step's forward, so a resume never copies weights that the
+        checkpoint's average replaces. A fresh start copies them to fp32 host tensors in the worker, on a
+        stream of its own, while the first step's forward and backward run: blocking, that copy cost the
+        first step 5-7 s on an H100, and the staging buffers' pinning it used to queue behind it held the
+        CUDA driver for 5-7 s more, stalling the forward's first host sync (docs/benchmarks.md, row
+        `#first-start`). The weights must not change before the copy is done: the trainer calls
+        `before_weights_change` before its optimizer step. The staging buffers are pinned later (`prepare`).
         """
         if self._started:
             return
         self._started = True
         self.wait()
-        params = self._module.named_parameters()
-        self.shadow = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in params}
-        self.prepare()
+        params = {name: p.detach() for name, p in self._module.named_parameters()}
+        cuda = next((p.device for p in params.values() if p.is_cuda), None)
+        ready = None
+        if cuda is not None:  # the copy sees the weights as of now: after their queued initialisation
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def copy() -> None:
+            stream = torch.cuda.Stream(cuda) if cuda is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None and ready is not None:
+                    stream.wait_event(ready)
+                shadow = {name: p.to("cpu", torch.float32, copy=True) for name, p in params.items()}
+            with self._frozen:
+                self.shadow = shadow
+
+        self._submit(copy)
+        self._copying = self._pending
+
+    def before_weights_change(self) -> None:
+        """Waits for a fresh start's copy of the weights (`begin`), if one is under way."""
+        if self._copying is not None:
+            self._copying.result()
+            self._copying = None
 
     def _stage(self, module: nn.Module) -> torch.cuda.Event | None:
         """Copies the weights into the staging buffers without blocking; the event marks their arrival."""

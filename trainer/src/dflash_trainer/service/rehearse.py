@@ -410,12 +410,31 @@ def write_config(base: Path, out: Path, *, target: Path, shards: Path, world: in
     return path
 
 
+def cache_env(root: Path) -> dict[str, str]:
+    """The compile caches and probe verdicts under `root`, where L3 keeps them in CT 200 (its CacheDirectory):
+    a restart finds the kernels compiled and autotuned."""
+    return {
+        "TRITON_CACHE_DIR": str(root / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "XDG_CACHE_HOME": str(root),  # preflight's probe verdicts, beside them as in the unit
+    }
+
+
 def run_unit_start(
-    config: Path, out: Path, env: dict[str, str], notify: NotifyListener, *, world: int, timeout: float
+    config: Path,
+    out: Path,
+    env: dict[str, str],
+    notify: NotifyListener,
+    *,
+    world: int,
+    timeout: float,
+    name: str = "unit-start",
 ) -> dict:
     """The unit's first start after `make smoke-train` on a new CT: preflight, then `launch -- serve` of the
-    real configuration (no checkpoint yet) to its first step, with the caches the smoke run left. Killed at
-    the pause after step 1 (SIGKILL): the rest is phase 1's again, and its save would write a checkpoint."""
+    real configuration (no checkpoint yet) to its first step, with the caches `env` names (the smoke run's,
+    or empty ones: a new CT's first start without a smoke run). Killed at the pause after step 1 (SIGKILL):
+    the rest is phase 1's again, and its save would write a checkpoint. Its log: OUT/NAME.log."""
     start = time.time()
     pre = subprocess.run(
         [*CLI, "preflight", "--nproc", str(world), str(config)],
@@ -426,8 +445,8 @@ def run_unit_start(
     if pre.returncode != 0:
         return figures | {"ok": False}
     cmd = [*CLI, "launch", "--nproc-per-node", str(world), "--", "serve", str(config), "--pause-at", "1"]
-    phase = run_phase("unit-start", cmd, env, out, notify, pause_at=1, timeout=timeout, stop=signal.SIGKILL)
-    text = (out / "unit-start.log").read_text()
+    phase = run_phase(name, cmd, env, out, notify, pause_at=1, timeout=timeout, stop=signal.SIGKILL)
+    text = (out / f"{name}.log").read_text()
     first_step_s = phase.paused_s  # killed at the pause after step 1: no summary, the pause tells
     figures |= {
         "ready_s": phase.ready_s,
@@ -477,6 +496,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="afterwards: the unit's first start after the smoke run (real configuration) to its first step",
     )
+    parser.add_argument(
+        "--unit-start-cold",
+        action="store_true",
+        help="the unit start on empty compile caches (a new CT's first start without a smoke run)",
+    )
+    parser.add_argument(
+        "--unit-start-before",
+        type=Path,
+        help="first the unit start with the trainer's source at this directory (side by side: before)",
+    )
     parser.add_argument("--fault-rank", type=int, help="afterwards: SIGKILL this rank mid-run, then restart")
     parser.add_argument("--fault-steps", type=int, default=30, help="steps of the fault scenario's own run")
     parser.add_argument(
@@ -517,17 +546,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     smoke_toml = out / "smoke.toml"
 
-    env = os.environ | {
-        "PYTHONUNBUFFERED": "1",
-        "DFLASH_NPROC": str(world),
-        "NOTIFY_SOCKET": str(out / "notify.sock"),
-        "WATCHDOG_USEC": str(300 * 10**6),
-        # Where L3 keeps them in CT 200: a restart finds the kernels compiled and autotuned.
-        "TRITON_CACHE_DIR": str(out / "cache" / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(out / "cache" / "inductor"),
-        "TRITON_CACHE_AUTOTUNING": "1",
-        "XDG_CACHE_HOME": str(out / "cache"),  # preflight's probe verdicts, beside them as in the unit
-    }
+    env = (
+        os.environ
+        | {
+            "PYTHONUNBUFFERED": "1",
+            "DFLASH_NPROC": str(world),
+            "NOTIFY_SOCKET": str(out / "notify.sock"),
+            "WATCHDOG_USEC": str(300 * 10**6),
+        }
+        | cache_env(out / "cache")
+    )
     notify = NotifyListener(out / "notify.sock")
     memory = HostMemory()
     ok = True
@@ -566,11 +594,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.unit_start:
             # Its report read them: room on a lent machine's disk for the checkpoints preflight counts.
             shutil.rmtree(out / "checkpoints")
-            figures["unit_start"] = run_unit_start(
-                config, out, env, notify, world=world, timeout=args.phase_timeout
-            )
-            say(f"unit start after the smoke run: {figures['unit_start']}")
-            ok = ok and figures["unit_start"]["ok"]
+            starts = [("unit-start-before", args.unit_start_before)] if args.unit_start_before else []
+            for name, source in [*starts, ("unit-start", None)]:
+                run_env = env | (cache_env(out / f"cache-{name}") if args.unit_start_cold else {})
+                if source is not None:  # its trainer ahead of this one on the path
+                    path = [str(source.resolve()), env.get("PYTHONPATH", "")]
+                    run_env["PYTHONPATH"] = os.pathsep.join(path)
+                key = name.replace("-", "_")
+                figures[key] = run_unit_start(
+                    config, out, run_env, notify, world=world, timeout=args.phase_timeout, name=name
+                )
+                how = "on empty caches" if args.unit_start_cold else "after the smoke run"
+                say(f"{name} {how}: {figures[key]}")
+                ok = ok and figures[key]["ok"]
         if args.efficiency:
             figures["efficiency"] = pipeline_efficiency(smoke_toml, world, env, p2.summaries)
             say(f"efficiency: {figures['efficiency']}")

@@ -154,6 +154,8 @@ class DrafterSide:
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
+        if self.ema is not None:
+            self.ema.before_weights_change()  # a fresh start's average copies the weights meanwhile
         self.optimizer.step()
         self.step_count += 1
         if self.ema is not None:
