@@ -215,3 +215,21 @@ def test_a_fresh_start_copies_the_weights_beside_the_first_step_which_waits_befo
         module.weight.add_(1.0)  # the first optimizer step
     torch.testing.assert_close(ema.weights()["weight"], start)
     assert ema._staging == {}  # no pinning beside the first step: `prepare` comes after it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fresh_start_on_cuda_averages_from_the_weights_queued_before_begin():
+    """The worker copies on a stream of its own: it must see the weights as the training stream left them at
+    `begin` (initialisation still queued), not as they were, nor as the first optimizer step makes them."""
+    module = nn.Linear(4096, 4096, device="cuda")
+    with torch.no_grad():
+        for _ in range(20):  # queued work ahead of begin, long enough to be still running
+            module.weight.mul_(1.01).add_(0.5)
+    ema = CpuEma(module, decay=0.5, every=1)
+    ema.begin()
+    start = module.weight.detach().cpu()  # the training stream's view at begin
+    ema.before_weights_change()
+    with torch.no_grad():
+        module.weight.add_(1.0)  # the first optimizer step
+    torch.testing.assert_close(ema.weights()["weight"], start)
