@@ -233,3 +233,20 @@ def test_a_fresh_start_on_cuda_averages_from_the_weights_queued_before_begin():
     with torch.no_grad():
         module.weight.add_(1.0)  # the first optimizer step
     torch.testing.assert_close(ema.weights()["weight"], start)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copies_through_small_buffers_equal_plain_copies():
+    """Chunks that do not divide the tensors, a bf16 tensor widened, a CPU tensor beside the CUDA ones."""
+    from dflash_trainer.ema import host_copies
+
+    params = {
+        "a": torch.randn(1000, 37, device="cuda"),
+        "b": torch.randn(4099, device="cuda", dtype=torch.bfloat16),
+        "c": torch.randn(5, 3),
+    }
+    copies = host_copies(params, None, bounce_bytes=4096)
+    for name, p in params.items():
+        assert copies[name].dtype == torch.float32 and copies[name].device.type == "cpu"
+        assert torch.equal(copies[name], p.float().cpu()), name

@@ -13,13 +13,63 @@ of the step it was saved at; a fold due meanwhile waits for the write of ema.pt 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
+
+BOUNCE_BYTES = 64 << 20  # each of host_copies' two pinned buffers
+
+
+def host_copies(
+    params: dict[str, torch.Tensor], ready: torch.cuda.Event | None, *, bounce_bytes: int = BOUNCE_BYTES
+) -> dict[str, torch.Tensor]:
+    """fp32 host copies of `params`, made after `ready` (an event of the stream that wrote them).
+
+    CUDA tensors go through two small pinned buffers on a stream of this call's own, chunk by chunk: each
+    driver call is short, so another thread's host syncs (the training step's) are not held up. A plain
+    device-to-pageable copy holds the driver for the whole tensor, and the training thread's first
+    `.item()` waited 4.1 s behind it on an H100 (docs/benchmarks.md, row `#first-start`); pinning a
+    destination of 6.8 GB would hold it for seconds as well.
+    """
+    out = {name: torch.empty(p.shape, dtype=torch.float32, device="cpu") for name, p in params.items()}
+    cuda = [name for name, p in params.items() if p.is_cuda]
+    for name in params.keys() - set(cuda):
+        out[name].copy_(params[name])
+    if not cuda:
+        return out
+    stream = torch.cuda.Stream(params[cuda[0]].device)
+    if ready is not None:
+        stream.wait_event(ready)
+    elements = max(1, bounce_bytes // 4)
+    buffers = [torch.empty(elements, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+    in_flight: list[tuple[torch.cuda.Event, torch.Tensor, int] | None] = [None, None]
+
+    def drain(slot: int) -> None:
+        pending = in_flight[slot]
+        if pending is not None:
+            event, destination, n = pending
+            event.synchronize()  # waits without holding the driver
+            destination.copy_(buffers[slot][:n])
+            in_flight[slot] = None
+
+    slot = 0
+    for name in cuda:
+        source, destination = params[name].reshape(-1), out[name].reshape(-1)
+        for start in range(0, source.numel(), elements):
+            n = min(elements, source.numel() - start)
+            drain(slot)
+            with torch.cuda.stream(stream):
+                buffers[slot][:n].copy_(source[start : start + n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            in_flight[slot] = (event, destination[start : start + n], n)
+            slot = 1 - slot
+    drain(slot)
+    drain(1 - slot)
+    return out
 
 
 class CpuEma:
@@ -78,9 +128,9 @@ class CpuEma:
         """Starts the average at the module's weights of now, once; a no-op after `load_state_dict`.
 
         The trainer calls it before its first step's forward, so a resume never copies weights that the
-        checkpoint's average replaces. A fresh start copies them to fp32 host tensors in the worker, on a
-        stream of its own, while the first step's forward and backward run: blocking, that copy cost the
-        first step 5-7 s on an H100, and the staging buffers' pinning it used to queue behind it held the
+        checkpoint's average replaces. A fresh start copies them to fp32 host tensors in the worker
+        (`host_copies`) while the first step's forward and backward run: blocking, that copy cost the first
+        step 5-7 s on an H100, and the staging buffers' pinning it used to queue behind it held the
         CUDA driver for 5-7 s more, stalling the forward's first host sync (docs/benchmarks.md, row
         `#first-start`). The weights must not change before the copy is done: the trainer calls
         `before_weights_change` before its optimizer step. The staging buffers are pinned later (`prepare`).
@@ -97,11 +147,7 @@ class CpuEma:
             ready.record()
 
         def copy() -> None:
-            stream = torch.cuda.Stream(cuda) if cuda is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None and ready is not None:
-                    stream.wait_event(ready)
-                shadow = {name: p.to("cpu", torch.float32, copy=True) for name, p in params.items()}
+            shadow = host_copies(params, ready)
             with self._frozen:
                 self.shadow = shadow
 
