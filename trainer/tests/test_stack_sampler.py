@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from tiny_run import run_cli
 
-from dflash_trainer.stack_sampler import StackSampler, Window, inclusive, summarize
+from dflash_trainer.stack_sampler import StackSampler, Window, by_own_frame, inclusive, summarize
 
 
 def test_a_function_counts_once_per_sample_that_holds_it_recursion_included() -> None:
@@ -23,6 +23,14 @@ def test_the_summary_gives_each_function_its_share_of_the_window_in_seconds() ->
     assert lines[1].split() == ["2.00", "s", "100.0", "%", "main"]
     assert lines[2].split() == ["1.50", "s", "75.0", "%", "load"]
     assert lines[3].split() == ["0.50", "s", "25.0", "%", "x"]
+    assert lines[4] == "-- by the trainer's deepest frame"
+
+
+def test_the_trainer_s_deepest_frame_names_the_call_it_handed_its_seconds_to() -> None:
+    own, sync = "dflash_trainer/method/anchors.py:sample_anchors", "dflash_trainer/train/loop.py:train"
+    stacks = Counter({(sync, own): 3, (sync, own, "torch/_tensor.py:backward", "x.py:y"): 2, ("a", "b"): 1})
+    expected = {f"{own} -> (itself)": 3, f"{own} -> torch/_tensor.py:backward": 2}
+    assert by_own_frame(stacks) == Counter(expected)
 
 
 def spin_in_first(seconds: float) -> None:
@@ -36,7 +44,7 @@ def sleep_in_second(seconds: float) -> None:
 
 
 def samples_in(window: Window, function: str) -> int:
-    return inclusive(window.stacks)[f"tests/test_stack_sampler.py:{function}"]
+    return inclusive(window.stacks)[f"tests/test_stack_sampler.py:{function}"]  # not the trainer's: 2 parts
 
 
 def test_the_sampler_names_the_function_each_window_spent_its_time_in() -> None:
@@ -74,7 +82,8 @@ def test_serve_writes_the_start_profile_at_its_first_step(tiny_job, tmp_path) ->
     # on this CPU lasts too few milliseconds to be sure of a sample).
     stacks = text.split("== collapsed stacks\n", 1)[1].splitlines()
     before = [line for line in stacks if line.startswith("serve's_start_->_READY")]
-    assert any("service/serve.py:main;train/loop.py:<module>;" in line for line in before)
-    assert not any("train/drafter_side.py:step;" in line for line in before)
+    own = "dflash_trainer/service/serve.py:main;dflash_trainer/train/loop.py:<module>;"
+    assert any(own in line for line in before)
+    assert not any("dflash_trainer/train/drafter_side.py:step;" in line for line in before)
     assert all(line.startswith(("serve's_start_->_READY", "READY_->_first_step;")) for line in stacks)
     assert not any("<frozen " in line for line in stacks)

@@ -26,10 +26,17 @@ from types import FrameType
 ENV = "DFLASH_PROFILE_START"
 
 
+OWN = "dflash_trainer/"  # the trainer's own frames: named from the package down
+
+
 def frame_key(frame: FrameType) -> str:
-    """`package/module.py:function`: the file's last two parts name it without this machine's paths."""
+    """`package/module.py:function`: the file's last two parts name it without this machine's paths; the
+    trainer's own files from the package down (`dflash_trainer/method/anchors.py:sample_anchors`)."""
     code = frame.f_code
     parts = Path(code.co_filename).parts
+    if "dflash_trainer" in parts:
+        parts = parts[len(parts) - 1 - parts[::-1].index("dflash_trainer") :]
+        return f"{'/'.join(parts)}:{code.co_name}"
     return f"{'/'.join(parts[-2:])}:{code.co_name}"
 
 
@@ -65,8 +72,21 @@ def inclusive(stacks: Counter[tuple[str, ...]]) -> Counter[str]:
     return counts
 
 
+def by_own_frame(stacks: Counter[tuple[str, ...]]) -> Counter[str]:
+    """Samples per the trainer's deepest frame and the call it was in (`... -> torch/_tensor.py:backward`;
+    `(itself)`: its own line, a host sync included): where the trainer's code handed its seconds to."""
+    counts: Counter[str] = Counter()
+    for stack, n in stacks.items():
+        own = [i for i, key in enumerate(stack) if key.startswith(OWN)]
+        if own:
+            i = own[-1]
+            counts[f"{stack[i]} -> {stack[i + 1] if i + 1 < len(stack) else '(itself)'}"] += n
+    return counts
+
+
 def summarize(window: Window, *, top: int = 40) -> str:
-    """The window's seconds and its `top` functions by inclusive share, each as seconds of the window."""
+    """The window's seconds, its `top` functions by inclusive share and by the trainer's deepest frame, each
+    as seconds of the window."""
     ended = window.ended if window.ended is not None else time.perf_counter()
     seconds = ended - window.started
     total = window.samples
@@ -75,6 +95,9 @@ def summarize(window: Window, *, top: int = 40) -> str:
         return "\n".join(lines)
     per_sample = seconds / total
     for key, n in inclusive(window.stacks).most_common(top):
+        lines.append(f"{n * per_sample:8.2f} s {100 * n / total:5.1f} %  {key}")
+    lines.append("-- by the trainer's deepest frame")
+    for key, n in by_own_frame(window.stacks).most_common(top // 2):
         lines.append(f"{n * per_sample:8.2f} s {100 * n / total:5.1f} %  {key}")
     return "\n".join(lines)
 
