@@ -2,14 +2,15 @@
 
 The READY line times the loading by phase (startup.py) and the first-step line says what torch.compile spent
 (compile_caches.py), but a cold first step on a GPU spends tens of seconds outside both (docs/benchmarks.md,
-row `#first-start`). cProfile would slow dynamo's tracing several-fold and change the figure it measures; a
-thread that reads the main thread's stack every 10 ms (`sys._current_frames`) costs about 1 % and names the
-functions the seconds went to, imports included.
+row `#first-start`). cProfile traces every call, dynamo's tracing included, and would change the figure it
+measures; a thread that reads the main thread's stack every 10 ms (`sys._current_frames`) holds the GIL only
+while it copies one stack, and names the functions the seconds went to, imports included. It reads the main
+thread only: work on other threads (autograd's backward, a worker's copy) shows as the main thread's wait.
 
 `DFLASH_PROFILE_START=DIR` (serve): samples from the rank's start to its first step, in windows split at
-READY, and writes DIR/start-profile-rank<R>.txt: per window its seconds and the functions that held the most
-samples (inclusive: a function counts in every sample whose stack holds it), then the collapsed stacks
-(`window;outer;...;inner count`, the input of flamegraph.pl).
+READY, and writes DIR/start-profile-rank<R>.txt: per window its seconds, the functions that held the most
+samples (inclusive: a function counts in every sample whose stack holds it) and the trainer's deepest frames
+with the call each was in, then the collapsed stacks (`window;outer;...;inner count`, flamegraph.pl's input).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 from types import FrameType
 
 ENV = "DFLASH_PROFILE_START"
-
-
 OWN = "dflash_trainer/"  # the trainer's own frames: named from the package down
 
 
