@@ -15,7 +15,8 @@
 #              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such;
 #              PROFILE_START=1: each phase's start sampled to its first step, PHASE-start-profile.txt;
 #              UNIT_START_COLD=1: the unit start on empty caches; UNIT_START_BEFORE=.old/trainer/src: first
-#              the unit start with the trainer before the change, side by side)
+#              the unit start with the trainer before the change, side by side; UNIT_START_ONLY=1: no smoke
+#              run, a first unit start on empty caches, then those two on its caches)
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
 #              then with it removed (an idle host)
@@ -66,7 +67,7 @@ start)
       [ -n "${PREFLIGHT_LAYERS:-}" ] && cut=(--layers "$PREFLIGHT_LAYERS" --target-dir "/dev/shm/dflash/model-$PREFLIGHT_LAYERS")
       [ "${PROFILE_START:-0}" = 1 ] && export DFLASH_PROFILE_START=$STATE/rehearsal/profile
       OUT=$STATE/out STATE=$STATE/rehearsal SKIP_GPU_TESTS=1 timeout 900 bash scripts/gpu_rehearsal.sh --steps 30 \
-        --stop-at 15 --unit-start ${UNIT_START_COLD:+--unit-start-cold} \
+        --stop-at 15 --unit-start ${UNIT_START_COLD:+--unit-start-cold} ${UNIT_START_ONLY:+--unit-start-only} \
         ${UNIT_START_BEFORE:+--unit-start-before "$UNIT_START_BEFORE"} "${cut[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 60
       grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   (triton|caches)|torch.compile" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
     fi

@@ -86,6 +86,26 @@ def test_the_rehearsal_passes_on_a_tiny_reference_structured_target(tmp_path):
     assert fault["resumed_at"] == fault["checkpoint_step"] + 1 and fault["restart_exit"] == 0, fault
 
 
+@pytest.mark.system
+def test_the_unit_starts_alone_the_first_on_empty_caches_the_others_on_what_it_left(tmp_path):
+    """--unit-start-only: no smoke run; a new CT's first start, then the side-by-side pair on its caches."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dflash_trainer.service.rehearse", "--out", str(out), "--shape",
+           "qwen3.6-mini", "--target-dir", str(tmp_path / "target"), "--nproc", "1", "--unit-start",
+           "--unit-start-only", "--unit-start-before", str(TRAINER_SRC)]  # fmt: skip
+    for key, value in SMALL.items():
+        cmd += ["--set", f"{key}={value}"]
+    env = os.environ | {"NO_COLOR": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "PASS"
+    figures = json.loads((out / "rehearsal.json").read_text())
+    assert "phases" not in figures and not (out / "phase1.log").exists()  # no smoke run
+    for name in ("unit_start_first", "unit_start_before", "unit_start"):
+        assert figures[name]["ok"] and figures[name]["first_step_s"] > 0, figures[name]
+        assert f"triton {out}/cache/triton (" in figures[name]["caches_preflight"], figures[name]
+
+
 def test_the_fault_scenario_expects_the_resume_from_the_newest_checkpoint_on_disk(tmp_path):
     """A kill can land after step 12's save is renamed into place but before its log line (seen in CI): the
     restart rightly resumes at 13. Expected: the step on disk when the job ended (a half-written save is not

@@ -459,6 +459,36 @@ def run_unit_start(
     return figures
 
 
+def run_unit_starts(
+    args: argparse.Namespace,
+    config: Path,
+    out: Path,
+    env: dict[str, str],
+    notify: NotifyListener,
+    world: int,
+    figures: dict,
+) -> bool:
+    """The unit starts of --unit-start, into `figures` by name: with --unit-start-only first one on the
+    empty caches (a new CT's first start, no smoke run before it), whose caches the others then find; with
+    --unit-start-before SRC the start with the trainer at SRC; then this trainer's. True if each reached its
+    first step."""
+    starts = [("unit-start-first", None)] if args.unit_start_only else []
+    if args.unit_start_before:
+        starts.append(("unit-start-before", args.unit_start_before))
+    ok = True
+    for name, source in [*starts, ("unit-start", None)]:
+        run_env = env | (cache_env(out / f"cache-{name}") if args.unit_start_cold else {})
+        if source is not None:  # its trainer ahead of this one on the path
+            run_env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
+        key = name.replace("-", "_")
+        figures[key] = run_unit_start(
+            config, out, run_env, notify, world=world, timeout=args.phase_timeout, name=name
+        )
+        say(f"{name}: {figures[key]}")
+        ok = ok and figures[key]["ok"]
+    return ok
+
+
 def _parse_override(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
     if "." not in key or not value:
@@ -500,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--unit-start-cold",
         action="store_true",
         help="the unit start on empty compile caches (a new CT's first start without a smoke run)",
+    )
+    parser.add_argument(
+        "--unit-start-only",
+        action="store_true",
+        help="no smoke run: the unit start on empty caches, then --unit-start-before's and this one's",
     )
     parser.add_argument(
         "--unit-start-before",
@@ -557,6 +592,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         | cache_env(out / "cache")
     )
     notify = NotifyListener(out / "notify.sock")
+    if args.unit_start_only:  # a new CT's first start and the starts after it, nothing else
+        try:
+            ok = run_unit_starts(args, config, out, env, notify, world, figures)
+        finally:
+            notify.close()
+        figures["total_s"] = time.time() - t0
+        (out / "rehearsal.json").write_text(json.dumps(figures, indent=1) + "\n")
+        print("PASS" if ok else "FAIL")
+        return 0 if ok else 1
     memory = HostMemory()
     ok = True
     try:
@@ -594,19 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.unit_start:
             # Its report read them: room on a lent machine's disk for the checkpoints preflight counts.
             shutil.rmtree(out / "checkpoints")
-            starts = [("unit-start-before", args.unit_start_before)] if args.unit_start_before else []
-            for name, source in [*starts, ("unit-start", None)]:
-                run_env = env | (cache_env(out / f"cache-{name}") if args.unit_start_cold else {})
-                if source is not None:  # its trainer ahead of this one on the path
-                    path = [str(source.resolve()), env.get("PYTHONPATH", "")]
-                    run_env["PYTHONPATH"] = os.pathsep.join(path)
-                key = name.replace("-", "_")
-                figures[key] = run_unit_start(
-                    config, out, run_env, notify, world=world, timeout=args.phase_timeout, name=name
-                )
-                how = "on empty caches" if args.unit_start_cold else "after the smoke run"
-                say(f"{name} {how}: {figures[key]}")
-                ok = ok and figures[key]["ok"]
+            ok = run_unit_starts(args, config, out, env, notify, world, figures) and ok
         if args.efficiency:
             figures["efficiency"] = pipeline_efficiency(smoke_toml, world, env, p2.summaries)
             say(f"efficiency: {figures['efficiency']}")
