@@ -101,6 +101,7 @@ def test_the_unit_starts_alone_the_first_on_empty_caches_the_others_on_what_it_l
     assert proc.stdout.strip().splitlines()[-1] == "PASS"
     figures = json.loads((out / "rehearsal.json").read_text())
     assert "phases" not in figures and not (out / "phase1.log").exists()  # no smoke run
+    assert not (out / "smoke.toml").exists()  # nor its configuration
     for name in ("unit_start_first", "unit_start_before", "unit_start"):
         assert figures[name]["ok"] and figures[name]["first_step_s"] > 0, figures[name]
         assert f"triton {out}/cache/triton (" in figures[name]["caches_preflight"], figures[name]

@@ -574,11 +574,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = read_target_info(cfg.model.target_path).vocab_size
     write_shards(shards, vocab=vocab, mask_id=cfg.drafter.mask_token_id, seq_len=cfg.data.seq_len, rows=64,
                  shards=4)  # fmt: skip
-    subprocess.run(
-        [*CLI, "smoke", "prepare", str(config), "--out", str(out), "--steps", str(args.steps),
-         "--stop-at", str(args.stop_at), "--keep-last", str(args.keep_last)],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    if not args.unit_start_only:  # the smoke run's configuration; --unit-start-only runs none
+        subprocess.run(
+            [*CLI, "smoke", "prepare", str(config), "--out", str(out), "--steps", str(args.steps),
+             "--stop-at", str(args.stop_at), "--keep-last", str(args.keep_last)],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
     smoke_toml = out / "smoke.toml"
 
     env = (
