@@ -32,10 +32,13 @@ fi
 python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@"
 rc=$?
 cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/unit-start*.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
-# DFLASH_PROFILE_START=DIR: each phase's start profile (DIR/PHASE/start-profile-rank<R>.txt), as PHASE-start-profile.txt
+# DFLASH_PROFILE_START=DIR: each phase's start profile (DIR/PHASE/start-profile-rank<R>.txt), as PHASE-start-profile.txt,
+# and its preflight's probe profiles (DIR/PHASE/probe-<name>-profile.txt), as PHASE-probe-<name>-profile.txt
 if [ -n "${DFLASH_PROFILE_START:-}" ]; then
-  for f in "$DFLASH_PROFILE_START"/*/start-profile-rank0.txt; do
-    [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")-start-profile.txt"
+  for f in "$DFLASH_PROFILE_START"/*/start-profile-rank0.txt "$DFLASH_PROFILE_START"/*/probe-*-profile.txt; do
+    [ -f "$f" ] || continue
+    name=$(basename "$f"); [ "$name" = start-profile-rank0.txt ] && name=start-profile.txt
+    cp "$f" "$OUT/$(basename "$(dirname "$f")")-$name"
   done
 fi
 exit $rc

@@ -10,6 +10,8 @@
 #              (WALK_VARIANTS: bench_walk's --variants, e.g. "graph/recorded graph/recorded+kept")
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
+#   autotune   the FLA probe's autotuning cold, Triton's default timing against brief_timing, and the speed of
+#              the kernels each picked (trainer/bench/bench_autotune_timing.py)
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15 --unit-start: preflight, launch, restart,
 #              evaluation's share, then the unit's first start after that smoke run (the real configuration)
 #              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such;
@@ -37,7 +39,7 @@ start)
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
     source scripts/gpu_env.sh
-    sections=${*:-walk gputests preflight rehearsal target load}
+    sections=${*:-walk gputests preflight autotune rehearsal target load}
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"
     if want walk; then
@@ -58,6 +60,10 @@ start)
       # One 54 GB target in /dev/shm for preflight and the walk; a cut one in a directory of its own.
       timeout 480 python3 trainer/bench/bench_preflight.py --target /dev/shm/dflash/model${PREFLIGHT_LAYERS:+-$PREFLIGHT_LAYERS} "${before[@]}" \
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
+    fi
+    if want autotune; then
+      echo "=== autotune timing: Triton default against brief, cold, alternating ($(date -u +%T))"
+      timeout 420 python3 trainer/bench/bench_autotune_timing.py --out "$STATE/out/autotune.json" 2>&1 | tail -n 12
     fi
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"

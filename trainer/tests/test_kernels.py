@@ -8,6 +8,7 @@ channels-last contract (fla/modules/causal_conv1d/ops.py `causal_conv1d`: x [B, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -74,15 +75,22 @@ def test_a_probe_passed_as_a_string_fails_as_on_every_gpu():
     assert "should be defined in a Python file" in proc.stderr
 
 
-def test_fla_probe_defines_its_kernels():
+def test_fla_probe_defines_its_kernels_and_profiles_its_imports(tmp_path):
+    """Preflight's environment passes DFLASH_PROFILE_START on to the probe: its report names the imports'
+    seconds, and preflight still reads the `ok:` line (the report's path goes to stderr)."""
     proc = subprocess.run(
         preflight.probe_command("fla", define_only=True),
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
+        env=os.environ | {"DFLASH_PROFILE_START": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ok: fla kernels defined (not launched)"
+    report = (tmp_path / "probe-fla-profile.txt").read_text()
+    assert report.startswith("== probe fla: imports: ") and "fla/__init__.py:<module>" in report
+    assert f"probe profile: {tmp_path / 'probe-fla-profile.txt'}" in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ thread only: work on other threads (autograd's backward, a worker's copy) shows 
 READY, and writes DIR/start-profile-rank<R>.txt: per window its seconds, the functions that held the most
 samples (inclusive: a function counts in every sample whose stack holds it) and the trainer's deepest frames
 with the call each was in, then the collapsed stacks (`window;outer;...;inner count`, flamegraph.pl's input).
+Preflight's GPU probes (service.gpu_probe), its children, inherit the variable and write
+DIR/probe-<name>-profile.txt alike, in windows split where their imports end and where each kernel has run.
 """
 
 from __future__ import annotations
@@ -160,12 +162,12 @@ def from_environment(label: str) -> StackSampler | None:
     return StackSampler(label).start() if os.environ.get(ENV) else None
 
 
-def write_report(sampler: StackSampler, rank: int) -> Path:
-    """Stops `sampler` and writes its report to $DFLASH_PROFILE_START/start-profile-rank<rank>.txt."""
+def write_report(sampler: StackSampler, file_name: str) -> Path:
+    """Stops `sampler` and writes its report to $DFLASH_PROFILE_START/`file_name`."""
     sampler.stop()
     directory = Path(os.environ[ENV])
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"start-profile-rank{rank}.txt"
+    path = directory / file_name
     tmp = path.with_suffix(".tmp")
     tmp.write_text(sampler.report())
     tmp.replace(path)

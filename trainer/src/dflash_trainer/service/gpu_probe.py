@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import triton
 import triton.language as tl
+
+from dflash_trainer import stack_sampler
 
 
 @triton.jit
@@ -58,12 +60,14 @@ def probe_fla(
     conv: int,
     tokens: int,
     forms: Sequence[str],
+    mark: Callable[[str], None] = lambda _label: None,
 ) -> str:
     """The target's Gated DeltaNet kernels on its own head shapes, forward and backward-free, in bf16.
 
     The calls the target's layers make: the chunked gated delta rule with in-kernel L2 norm on q and k, in
     each of `forms` ("grouped", "repeated": `heads_form`), and the depthwise causal conv over q|k|v channels
-    (dflash_trainer.model.kernels swaps FLA's Triton conv in for transformers' torch fallback).
+    (dflash_trainer.model.kernels swaps FLA's Triton conv in for transformers' torch fallback). `mark(label)`
+    is called where each of them starts (a start profile's windows: stack_sampler).
     """
     import torch
     import torch.nn.functional as F
@@ -71,6 +75,7 @@ def probe_fla(
 
     from dflash_trainer.model.kernels import fla_causal_conv1d_fn
 
+    mark("causal conv: CUDA context, inputs, compile, run")
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     channels = 2 * key_heads * key_dim + value_heads * value_dim
@@ -88,6 +93,7 @@ def probe_fla(
     beta = torch.rand(1, tokens, value_heads, device=dev, dtype=bf16, generator=g)
     rep = value_heads // key_heads
     for form in forms:
+        mark(f"gated delta rule, {form} q/k heads: compile, autotune, run")
         qs, ks = (q, k) if form == "grouped" else (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))
         out, _ = chunk_gated_delta_rule(qs, ks, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
         torch.cuda.synchronize()
@@ -114,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-type", default="", help="the target's model_type: probe only the q/k head form it runs"
     )
     args = parser.parse_args(argv)
+    profile = stack_sampler.from_environment(f"probe {args.probe}: imports")
     try:
         if args.define_only:
             if args.probe == "fla":
@@ -133,14 +140,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             forms = [heads_form(args.model_type)] if args.model_type else ["grouped", "repeated"]
             tally = autotune.AutotuneTally()
             at_once = autotune.configs_compiled_at_once(autotune.workers_from_env(), tally)
-            with autotune.tallied(tally, torch.cuda.synchronize), at_once:
-                ran = probe_fla(*shape, forms)
+            mark = profile.mark if profile is not None else (lambda _label: None)
+            with autotune.brief_timing(), autotune.tallied(tally, torch.cuda.synchronize), at_once:
+                ran = probe_fla(*shape, forms, mark)
             print(f"ok: {ran}; {tally.summary()}")
     except BaseException as e:  # any failure is the probe's finding, reported as one line
         traceback.print_exc()
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         print(f"error: {type(e).__name__}: {last}", flush=True)
         return 1
+    finally:
+        if profile is not None:  # on stderr: preflight reads the `ok:`/`error:` line
+            print(
+                f"probe profile: {stack_sampler.write_report(profile, f'probe-{args.probe}-profile.txt')}",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -162,6 +162,13 @@ START = re.compile(r"(?<![a-z])start: (.*)")  # not "restart: "
 STALL = re.compile(r"stall(?:ed)?[^0-9]{0,20}([0-9.]+) ?s")
 
 
+def profiled_env(env: dict[str, str], name: str) -> dict[str, str]:
+    """`env` with phase `name`'s profiles (its preflight's probes, its ranks) in a directory of its own."""
+    if not env.get(stack_sampler.ENV):
+        return env
+    return env | {stack_sampler.ENV: str(Path(env[stack_sampler.ENV]) / name)}
+
+
 def run_phase(
     name: str,
     cmd: list[str],
@@ -176,8 +183,7 @@ def run_phase(
 ) -> Phase:
     phase = Phase(name)
     log_path = out / f"{name}.log"
-    if env.get(stack_sampler.ENV):  # each phase's start profile in a directory of its own
-        env = env | {stack_sampler.ENV: str(Path(env[stack_sampler.ENV]) / name)}
+    env = profiled_env(env, name)
     phase.launched_at = start = time.time()
     say(f"{name}: {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -438,7 +444,7 @@ def run_unit_start(
     start = time.time()
     pre = subprocess.run(
         [*CLI, "preflight", "--nproc", str(world), str(config)],
-        env=env, check=False, capture_output=True, text=True,
+        env=profiled_env(env, name), check=False, capture_output=True, text=True,
     )  # fmt: skip
     figures: dict = {"preflight_s": round(time.time() - start, 2), "preflight_exit": pre.returncode}
     print(pre.stdout + pre.stderr, end="", flush=True)
@@ -607,7 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         start = time.time()
         pre = subprocess.run(
-            [*CLI, "preflight", "--nproc", str(world), str(smoke_toml)], env=env, check=False
+            [*CLI, "preflight", "--nproc", str(world), str(smoke_toml)],
+            env=profiled_env(env, "phase1"),
+            check=False,
         )
         figures["preflight_s"] = time.time() - start
         if pre.returncode != 0:

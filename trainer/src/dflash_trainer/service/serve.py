@@ -85,7 +85,10 @@ class ServiceHooks:
                 line += f"; {self.autotune.compiled_ahead} autotune candidates compiled ahead on threads"
             log.info(line)
             if self.profile is not None:
-                log.info("start profile: %s", stack_sampler.write_report(self.profile, rank()))
+                log.info(
+                    "start profile: %s",
+                    stack_sampler.write_report(self.profile, f"start-profile-rank{rank()}.txt"),
+                )
                 self.profile = None
         else:  # the first step carries warm-up (compilation, allocator); the rate leaves it out
             self.steps += 1

@@ -1,0 +1,118 @@
+"""Autotune timing, Triton's defaults against `brief_timing`: the cold seconds and the kernels each one picks.
+
+Each run is a fresh process with an empty Triton cache (TRITON_CACHE_AUTOTUNING=1, as in the unit), which runs
+the FLA probe's kernels (service.gpu_probe.probe_fla, the target's Gated DeltaNet shape) with its candidates
+compiled ahead, as preflight's probe does, then tunes the delta rule once more at a training row's length.
+Timed with Triton's default (25 ms warm-up, 100 ms of repetitions) or `brief_timing` (5 / 25 ms). Then, with
+no patch and at Triton's defaults, it times the kernels the autotuner picked: the delta rule and the causal
+conv at the probe's length and at the training length. Runs alternate (default, brief, default, brief) so a
+drift of the host shows in both.
+
+  python3 trainer/bench/bench_autotune_timing.py [--runs 2] [--tokens 256] [--train-tokens 4096] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPE = {"key_heads": 16, "value_heads": 48, "key_dim": 128, "value_dim": 128, "conv": 4}  # Qwen3.6-27B
+
+
+def child(timing: str, tokens: int, train_tokens: int) -> dict:
+    import torch
+    import triton.testing
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from dflash_trainer.model.kernels import fla_causal_conv1d_fn
+    from dflash_trainer.service import autotune_compile as autotune
+    from dflash_trainer.service.gpu_probe import probe_fla
+
+    dev, bf16 = "cuda", torch.bfloat16
+    kh, vh, kd, vd, conv = (SHAPE[k] for k in ("key_heads", "value_heads", "key_dim", "value_dim", "conv"))
+
+    def inputs(t: int) -> tuple:
+        g = torch.Generator(device=dev).manual_seed(1)
+        q, k = (torch.randn(1, t, kh, kd, device=dev, dtype=bf16, generator=g) for _ in range(2))
+        v = torch.randn(1, t, vh, vd, device=dev, dtype=bf16, generator=g)
+        gate = -torch.rand(1, t, vh, device=dev, dtype=torch.float32, generator=g)
+        beta = torch.rand(1, t, vh, device=dev, dtype=bf16, generator=g)
+        x = torch.randn(1, 2 * kh * kd + vh * vd, t, device=dev, dtype=bf16, generator=g)
+        w = torch.randn(x.shape[1], conv, device=dev, dtype=bf16, generator=g) / conv
+        return q, k, v, gate, beta, x, w
+
+    def rule(q, k, v, gate, beta):
+        return chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
+
+    tally = autotune.AutotuneTally()
+    brief = autotune.brief_timing() if timing == "brief" else contextlib.nullcontext()
+    at_once = autotune.configs_compiled_at_once(autotune.workers_from_env(), tally)
+    long = inputs(train_tokens)
+    start = time.perf_counter()
+    with brief, autotune.tallied(tally, torch.cuda.synchronize), at_once:
+        probe_fla(*SHAPE.values(), tokens, ["grouped"])
+        probe_s = time.perf_counter() - start
+        rule(*long[:5])
+        fla_causal_conv1d_fn(long[5], long[6], None, activation="silu")
+        torch.cuda.synchronize()
+    tuned_s = time.perf_counter() - start
+    figures: dict = {"timing": timing, "probe_s": round(probe_s, 2), "tuned_s": round(tuned_s, 2)}
+    figures |= {"candidates": tally.candidates, "first_call_s": round(tally.first_call_s, 2)}
+    figures["timing_s"] = round(tally.timing_s, 2)
+    for t, x in ((tokens, inputs(tokens)), (train_tokens, long)):
+        figures[f"rule_ms_{t}"] = round(triton.testing.do_bench(lambda x=x: rule(*x[:5])), 4)
+        figures[f"conv_ms_{t}"] = round(
+            triton.testing.do_bench(lambda x=x: fla_causal_conv1d_fn(x[5], x[6], None, activation="silu")), 4
+        )
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2, help="runs of each timing, alternating")
+    parser.add_argument("--tokens", type=int, default=256, help="the probe's length")
+    parser.add_argument("--train-tokens", type=int, default=4096, help="a training row's length")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", choices=("default", "brief"), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.tokens, args.train_tokens)), flush=True)
+        return 0
+    results: list[dict] = []
+    for i in range(args.runs):
+        for timing in ("default", "brief"):
+            with tempfile.TemporaryDirectory(prefix="bench-autotune-") as cache:
+                env = os.environ | {"TRITON_CACHE_DIR": cache, "TRITON_CACHE_AUTOTUNING": "1"}
+                cmd = [sys.executable, __file__, "--child", timing, "--tokens", str(args.tokens),
+                       "--train-tokens", str(args.train_tokens)]  # fmt: skip
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+                return 1
+            result = json.loads(line[7:]) | {"run": i + 1}
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    keys = [k for k in results[0] if k not in ("timing", "run")]
+    summary = {
+        timing: {k: statistics.median(r[k] for r in results if r["timing"] == timing) for k in keys}
+        for timing in ("default", "brief")
+    }
+    print(f"{'median':<14}" + "".join(f"{k:>15}" for k in keys))
+    for timing, row in summary.items():
+        print(f"{timing:<14}" + "".join(f"{row[k]:>15}" for k in keys))
+    if args.out:
+        args.out.write_text(json.dumps({"runs": results, "median": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
