@@ -10,8 +10,8 @@
 #              (WALK_VARIANTS: bench_walk's --variants, e.g. "graph/recorded graph/recorded+kept")
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
-#   autotune   the FLA probe's autotuning cold, Triton's default timing against brief_timing, and the speed of
-#              the kernels each picked (trainer/bench/bench_autotune_timing.py)
+#   autotune   the FLA probe's autotuning cold, Triton's default timing against a brief one (5/25 ms), and the
+#              speed of the kernels each picked (trainer/bench/bench_autotune_timing.py)
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15 --unit-start: preflight, launch, restart,
 #              evaluation's share, then the unit's first start after that smoke run (the real configuration)
 #              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such;

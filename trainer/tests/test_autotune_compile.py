@@ -20,10 +20,7 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from dflash_trainer.service.autotune_compile import (  # noqa: E402
-    TIMING_REP_MS,
-    TIMING_WARMUP_MS,
     AutotuneTally,
-    brief_timing,
     configs_compiled_at_once,
     for_this_rank,
     rank_workers,
@@ -191,46 +188,6 @@ def test_the_tally_counts_a_candidate_that_fails_to_compile() -> None:
     assert tuner.best_config.kwargs["B"] == 16
 
 
-@pytest.fixture
-def bench_calls(monkeypatch) -> list[tuple[int, int]]:
-    """triton.testing.do_bench replaced by one that records each call's warm-up and repetitions (ms)."""
-    import triton.testing
-
-    seen: list[tuple[int, int]] = []
-
-    def do_bench(kernel_call, warmup=25, rep=100, quantiles=None):  # triton.testing.do_bench's signature
-        seen.append((warmup, rep))
-        kernel_call()
-        return [1.0, 1.0, 1.0]
-
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    return seen
-
-
-def _tuned_by_tritons_bench() -> Autotuner:
-    """An autotuner that times with Triton's own benchmark, as FLA's do (no do_bench of their own)."""
-    import triton.testing
-
-    configs = [Config({"B": b}, num_warps=4) for b in (16, 32)]
-    return Autotuner(
-        StandInKernel(), ["x", "n"], configs, ["n"], None, None, do_bench=triton.testing.do_bench
-    )
-
-
-def test_brief_timing_shortens_tritons_own_benchmark_and_the_tally_counts_it(bench_calls) -> None:
-    own = _autotuner(StandInKernel())  # given its own benchmark function: kept
-    tally = AutotuneTally()
-    original = Autotuner.__dict__["do_bench"]
-    with brief_timing(), tallied(tally, lambda: None):
-        _launch(_tuned_by_tritons_bench())
-        _launch(own)
-    assert bench_calls == [(TIMING_WARMUP_MS, TIMING_REP_MS)] * 2
-    assert tally.candidates == 2 + 4
-    assert Autotuner.__dict__["do_bench"] is original
-    _launch(_tuned_by_tritons_bench())
-    assert bench_calls[2:] == [(25, 100)] * 2  # outside it, Triton's defaults
-
-
 def test_the_summary_says_the_compiles_started_ahead() -> None:
     tally = AutotuneTally(candidates=90, compiled_ahead=88, first_call_s=3.25, timing_s=11.0)
     assert tally.summary() == (
@@ -275,16 +232,14 @@ def test_a_triton_without_the_property_is_said_not_tallied(monkeypatch) -> None:
     assert tally.summary() == "autotune not tallied (this Triton's Autotuner has no do_bench property)"
 
 
-def test_a_gpu_rank_compiles_ahead_on_its_share_of_the_cpus(monkeypatch, bench_calls) -> None:
+def test_a_gpu_rank_compiles_ahead_on_its_share_of_the_cpus(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     kernel, tally = StandInKernel(), AutotuneTally()
     workers = rank_workers({"LOCAL_WORLD_SIZE": "4"})  # 8 CPUs, 4 ranks: 2 threads each
     assert workers == 2 and rank_workers({}) == 8
     with for_this_rank("cuda", workers, tally):
         _launch(_autotuner(kernel))
-        _launch(_tuned_by_tritons_bench())
-    assert tally.compiled_ahead == 4 + 2
-    assert bench_calls == [(TIMING_WARMUP_MS, TIMING_REP_MS)] * 2  # timed briefly
+    assert tally.compiled_ahead == 4
     assert {name.rsplit("_", 1)[0] for name in kernel.compiled.values()} == {"triton-compile"}
     assert len(set(kernel.compiled.values())) <= 2
 

@@ -23,7 +23,6 @@ beside the default cold run (docs/benchmarks.md#preflight).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -58,17 +57,14 @@ def rank_workers(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
     return workers_from_env(env, int(env.get("LOCAL_WORLD_SIZE") or 1))
 
 
-@contextlib.contextmanager
-def for_this_rank(device: str, workers: int, tally: AutotuneTally) -> Iterator[None]:
-    """A GPU rank's autotuning misses compiled ahead on `workers` threads (`rank_workers`) and timed briefly
-    (`brief_timing`): the Triton kernels it launches outside a compiled graph (the decode walk's FLA kernels).
-    Those inside `torch.compile` are tuned by inductor, not by Triton's Autotuner (an H100 rehearsal's first
-    step compiled none ahead: docs/journal.md, session 19). A CPU run has no Triton kernels to tune."""
+def for_this_rank(device: str, workers: int, tally: AutotuneTally) -> contextlib.AbstractContextManager[None]:
+    """A GPU rank's autotuning misses compiled ahead on `workers` threads (`rank_workers`): the Triton kernels
+    it launches outside a compiled graph (the decode walk's FLA kernels). Those inside `torch.compile` are
+    tuned by inductor, not by Triton's Autotuner (an H100 rehearsal's first step compiled none ahead:
+    docs/journal.md, session 19). A CPU run has no Triton kernels to tune."""
     if device == "cpu":
-        yield
-        return
-    with brief_timing(), configs_compiled_at_once(workers, tally):
-        yield
+        return contextlib.nullcontext()
+    return configs_compiled_at_once(workers, tally)
 
 
 def _compile_all(autotuner: Any, configs: list[Any], kwargs: dict[str, Any], pool: ThreadPoolExecutor) -> int:
@@ -113,13 +109,13 @@ def tallied(tally: AutotuneTally, sync: Callable[[], None]) -> Iterator[None]:
     from triton.runtime.autotuner import Autotuner
 
     original = Autotuner.__dict__.get("do_bench")
-    if original is None or not hasattr(original, "__get__"):  # not the (cached) property of Triton 3.x
+    if original is None or not hasattr(original, "func"):  # not the cached_property of Triton 3.x
         tally.counted = False
         yield
         return
 
     def timed_bench(self: Any) -> Callable[..., Any]:
-        bench = original.__get__(self, Autotuner)
+        bench = original.func(self)
 
         def run(kernel_call: Callable[[], None], **kwargs: Any) -> Any:
             tally.candidates += 1
@@ -137,43 +133,6 @@ def tallied(tally: AutotuneTally, sync: Callable[[], None]) -> Iterator[None]:
         return run
 
     Autotuner.do_bench = property(timed_bench)
-    try:
-        yield
-    finally:
-        Autotuner.do_bench = original
-
-
-# Triton times each autotune candidate with triton.testing.do_bench's defaults, 25 ms of warm-up and 100 ms
-# of repetitions, sized for long kernels. The FLA kernels the probe and the walk tune run for microseconds to
-# a millisecond at the target's shapes, so 5 and 25 ms still give each candidate hundreds of repetitions, and
-# a cold start's 75 candidates time in about a quarter of the 8 s (bench_autotune_timing.py measures both,
-# and the speed of the kernels each one picks, side by side).
-TIMING_WARMUP_MS, TIMING_REP_MS = 5, 25
-
-
-@contextlib.contextmanager
-def brief_timing(warmup_ms: int = TIMING_WARMUP_MS, rep_ms: int = TIMING_REP_MS) -> Iterator[None]:
-    """While inside, each autotuner that times with Triton's own do_bench runs it with `warmup_ms` and
-    `rep_ms`; one given its own benchmark function keeps it. Enter it before `tallied`, which then counts
-    the brief timing."""
-    try:
-        import triton.testing
-        from triton.runtime.autotuner import Autotuner
-    except ImportError:  # no Triton: nothing is tuned
-        yield
-        return
-    original = Autotuner.__dict__.get("do_bench")
-    if original is None or not hasattr(original, "__get__"):
-        yield
-        return
-
-    def brief(self: Any) -> Callable[..., Any]:
-        bench = original.__get__(self, Autotuner)
-        if bench is triton.testing.do_bench:  # Triton's own (the driver's benchmarker is this function)
-            return functools.partial(bench, warmup=warmup_ms, rep=rep_ms)
-        return bench
-
-    Autotuner.do_bench = property(brief)
     try:
         yield
     finally:

@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tally = autotune.AutotuneTally()
             at_once = autotune.configs_compiled_at_once(autotune.workers_from_env(), tally)
             mark = profile.mark if profile is not None else (lambda _label: None)
-            with autotune.brief_timing(), autotune.tallied(tally, torch.cuda.synchronize), at_once:
+            with autotune.tallied(tally, torch.cuda.synchronize), at_once:
                 ran = probe_fla(*shape, forms, mark)
             print(f"ok: {ran}; {tally.summary()}")
     except BaseException as e:  # any failure is the probe's finding, reported as one line
