@@ -33,11 +33,12 @@ python3 -m dflash_trainer.service.rehearse --out "$STATE/run" "${config[@]}" "$@
 rc=$?
 cp "$STATE"/run/phase1.log "$STATE"/run/phase2.log "$STATE"/run/unit-start*.log "$STATE"/run/rehearsal.json "$OUT"/ 2>/dev/null
 # DFLASH_PROFILE_START=DIR: each phase's start profile (DIR/PHASE/start-profile-rank<R>.txt), as PHASE-start-profile.txt,
-# and its preflight's probe profiles (DIR/PHASE/probe-<name>-profile.txt), as PHASE-probe-<name>-profile.txt
+# its first evaluation's (eval-profile-rank<R>.txt), as PHASE-eval-profile.txt, and its preflight's probe profiles
+# (DIR/PHASE/probe-<name>-profile.txt), as PHASE-probe-<name>-profile.txt
 if [ -n "${DFLASH_PROFILE_START:-}" ]; then
-  for f in "$DFLASH_PROFILE_START"/*/start-profile-rank0.txt "$DFLASH_PROFILE_START"/*/probe-*-profile.txt; do
+  for f in "$DFLASH_PROFILE_START"/*/{start,eval}-profile-rank0.txt "$DFLASH_PROFILE_START"/*/probe-*-profile.txt; do
     [ -f "$f" ] || continue
-    name=$(basename "$f"); [ "$name" = start-profile-rank0.txt ] && name=start-profile.txt
+    name=$(basename "$f"); name=${name/-rank0/}
     cp "$f" "$OUT/$(basename "$(dirname "$f")")-$name"
   done
 fi

@@ -51,7 +51,7 @@ def tiny_job(tiny_target, tmp_path: Path) -> Callable[..., Path]:
             "checkpoint_dir": tmp_path / "ckpt",
             "log_every": 1,
             "keep_last": 1,
-        }
+        } | overrides.pop("train", {})
         return tiny_run_config(tmp_path / "train.toml", target, shards, train=train, **overrides)
 
     return make

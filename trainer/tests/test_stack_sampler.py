@@ -87,3 +87,17 @@ def test_serve_writes_the_start_profile_at_its_first_step(tiny_job, tmp_path) ->
     assert not any("dflash_trainer/train/drafter_side.py:step;" in line for line in before)
     assert all(line.startswith(("serve's_start_->_READY", "READY_->_first_step;")) for line in stacks)
     assert not any("<frozen " in line for line in stacks)
+
+
+def test_serve_writes_its_first_evaluation_s_profile_a_window_per_evaluation(tiny_job, tmp_path) -> None:
+    profile = tmp_path / "profile"
+    job = tiny_job(train={"eval_every": 2, "eval_walk_prompts": 1})
+    code, out = run_cli(["serve", str(job)], env={"DFLASH_PROFILE_START": str(profile)})
+    assert code == 0, out
+    path = profile / "eval-profile-rank0.txt"
+    assert out.count("evaluation profile: ") == 1 and f"evaluation profile: {path}" in out  # the first only
+    text = path.read_text()
+    windows = [line.split(":", 2)[1].strip() for line in text.splitlines() if line.startswith("== evaluation")]
+    assert windows == ["held_out_figures", "walk_figures"], text[:400]
+    stacks = text.split("== collapsed stacks\n", 1)[1].splitlines()
+    assert any("dflash_trainer/evaluation/walk.py:decode_walk;" in line for line in stacks if "walk_figures" in line)

@@ -12,7 +12,8 @@ READY, and writes DIR/start-profile-rank<R>.txt: per window its seconds, the fun
 samples (inclusive: a function counts in every sample whose stack holds it) and the trainer's deepest frames
 with the call each was in, then the collapsed stacks (`window;outer;...;inner count`, flamegraph.pl's input).
 Preflight's GPU probes (service.gpu_probe), its children, inherit the variable and write
-DIR/probe-<name>-profile.txt alike, in windows split where their imports end and where each kernel has run.
+DIR/probe-<name>-profile.txt alike, in windows split where their imports end and where each kernel has run;
+a rank's first evaluation (train.target_side) writes DIR/eval-profile-rank<R>.txt, a window per evaluation.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer import startup
+from dflash_trainer import stack_sampler, startup
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch, TargetBatch
 from dflash_trainer.evaluation import hooks
@@ -61,6 +62,7 @@ class TargetSide:
         self.progress: Callable[[str], None] = lambda _text: None
         # Training time since the first forward or the last evaluation: an evaluation's share of the run.
         self._trained_since: float | None = None
+        self._eval_profiled = False  # DFLASH_PROFILE_START: the first evaluation is sampled (`evaluate`)
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -87,8 +89,12 @@ class TargetSide:
         started = time.perf_counter()
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
+        window = [f"evaluation at step {step}: {hook.__name__}" for hook in self.eval_hooks]
+        profile = None if self._eval_profiled else stack_sampler.from_environment(window[0])
         try:
-            for hook in self.eval_hooks:
+            for i, hook in enumerate(self.eval_hooks):
+                if profile is not None and i:  # a window per hook: where a first evaluation's seconds go
+                    profile.mark(window[i])
                 try:
                     figures |= hook(ctx)
                 except (
@@ -99,6 +105,10 @@ class TargetSide:
                     figures[f"{hook.__name__}_failed"] = 1.0
         finally:
             drafter.train(was_training)
+            if profile is not None:
+                self._eval_profiled = True
+                name = f"eval-profile-rank{os.environ.get('RANK', '0')}.txt"
+                log.info("evaluation profile: %s", stack_sampler.write_report(profile, name))
         seconds = time.perf_counter() - started
         trained = started - self._trained_since if self._trained_since is not None else 0.0
         self._trained_since = time.perf_counter()
