@@ -97,7 +97,8 @@ def test_serve_writes_its_first_evaluation_s_profile_a_window_per_evaluation(tin
     path = profile / "eval-profile-rank0.txt"
     assert out.count("evaluation profile: ") == 1 and f"evaluation profile: {path}" in out  # the first only
     text = path.read_text()
-    windows = [line.split(":", 2)[1].strip() for line in text.splitlines() if line.startswith("== evaluation")]
-    assert windows == ["held_out_figures", "walk_figures"], text[:400]
+    heads = [line for line in text.splitlines() if line.startswith("== evaluation")]
+    assert [line.split(":", 2)[1].strip() for line in heads] == ["held_out_figures", "walk_figures"], heads
     stacks = text.split("== collapsed stacks\n", 1)[1].splitlines()
-    assert any("dflash_trainer/evaluation/walk.py:decode_walk;" in line for line in stacks if "walk_figures" in line)
+    walked = [line for line in stacks if "walk_figures" in line]
+    assert any("dflash_trainer/evaluation/walk.py:decode_walk;" in line for line in walked)
