@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -90,8 +92,37 @@ def down(settings: LabSettings, others: Sequence[LabSettings] = ()) -> None:
         raise LabError(f"lab ports still held after lab-down: {', '.join(leftovers)}")
 
 
+# A lab file the inventory reads in a variable (`lookup('ansible.builtin.file', lab_dir + '/secrets/x')`).
+_LAB_FILE_LOOKUP = re.compile(r"lookup\('ansible\.builtin\.file',\s*lab_dir\s*\+\s*'/?([^']+)'\)")
+
+
+def inventory_files(settings: LabSettings) -> list[Path]:
+    """The lab's files that the inventory's variables read (its secrets, the seed's digests), in the order
+    written there: `make lab` writes them, and provisioning stops at the first one missing."""
+    found: list[Path] = []
+    # os.walk follows the symlinked group_vars that lab-multinode shares with lab (rglob does not).
+    for root, _dirs, files in sorted(os.walk(settings.inventory, followlinks=True)):
+        for name in sorted(f for f in files if f.endswith((".yml", ".yaml"))):
+            text = (Path(root) / name).read_text()
+            found += [settings.lab_dir / rel for rel in _LAB_FILE_LOOKUP.findall(text)]
+    return list(dict.fromkeys(found))
+
+
+def inventory_files_row(settings: LabSettings) -> tuple[str, bool, str]:
+    """Status's row of `inventory_files`: up when each is there, else the missing ones by name."""
+    wanted = inventory_files(settings)
+    missing = [str(path.relative_to(settings.lab_dir)) for path in wanted if not path.is_file()]
+    if missing:
+        return (
+            "inventory's files",
+            False,
+            f"missing under {settings.lab_dir}: {', '.join(missing)} (make lab writes them)",
+        )
+    return "inventory's files", True, f"{len(wanted)} files under {settings.lab_dir} (secrets, digests)"
+
+
 def status(settings: LabSettings) -> bool:
-    rows: list[tuple[str, bool, str]] = []
+    rows: list[tuple[str, bool, str]] = [inventory_files_row(settings)]
     for spec in settings.containers:
         systemd = containers.systemd_state(spec.name)
         pid = containers.init_pid(spec.name)

@@ -59,7 +59,17 @@ if [ "$kind" = lxc ]; then
   echo "smoke-train: make lab (builds or repairs the lab; seconds when it is up)"
   if ! make --no-print-directory lab LAB_INVENTORY="$INVENTORY"; then
     ct true 2>/dev/null || { echo "smoke-train: the lab is not up (make lab failed above)"; echo FAIL; exit 1; }
-    echo "smoke-train: warning: make lab reported the problem above, but $host answers; going on"
+    # A lab that stopped halfway may answer and still lack what provisioning reads (its secrets, the seed's
+    # digests): `lab status` names each part that is down, instead of Ansible's "file not found" later.
+    if report=$("$VENV/bin/python" -m lab status --inventory "$INVENTORY"); then
+      echo "smoke-train: warning: make lab reported the problem above, but $host answers and lab status is all up; going on"
+    else
+      echo "smoke-train: make lab failed above and left these parts of the lab down (lab status):"
+      grep -E "^.{22} DOWN" <<<"$report" | sed 's/^/  /'
+      echo "smoke-train: fix the cause make lab names above, then run make lab (it repairs what is missing)"
+      echo FAIL
+      exit 1
+    fi
   fi
 fi
 missing=

@@ -3,6 +3,7 @@ deterministic from lab_seed, holds no mask token, and is made in well under a mi
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import progress, seed
+from lab import cli, progress, seed
 from lab.settings import REPO, load_settings
 
 SETTINGS = load_settings(REPO / "inventory" / "lab")
@@ -71,6 +72,30 @@ def test_status_shows_pids() -> None:
         row = next(line for line in proc.stdout.splitlines() if line.startswith(name))
         pid = int(row.rsplit("PID ", 1)[1].split()[0])
         assert Path(f"/proc/{pid}").exists(), row
+
+
+@pytest.mark.parametrize("inventory", ["lab", "lab-multinode"])
+def test_status_names_each_file_the_inventory_reads_that_the_lab_has_not_written(tmp_path, inventory) -> None:
+    """A lab that stopped halfway (`make lab` failed before writing its secrets) is said down by name, not
+    by Ansible's "file not found" when provisioning reads the variable (lab-multinode's group_vars are
+    symlinks to lab's)."""
+    settings = dataclasses.replace(load_settings(REPO / "inventory" / inventory), lab_dir=tmp_path)
+    wanted = [str(path.relative_to(tmp_path)) for path in cli.inventory_files(settings)]
+    assert sorted(wanted) == [
+        "digests/model_manifest_sha256",
+        "digests/shards_manifest_sha256",
+        "secrets/pve_password",
+        "secrets/s3_access_key_id",
+        "secrets/s3_secret_access_key",
+    ]
+    for rel in wanted[:-1]:
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    name, up, detail = cli.inventory_files_row(settings)
+    assert (name, up) == ("inventory's files", False)
+    assert detail == f"missing under {tmp_path}: {wanted[-1]} (make lab writes them)"
+    (tmp_path / wanted[-1]).write_text("x")
+    assert cli.inventory_files_row(settings)[1:] == (True, f"5 files under {tmp_path} (secrets, digests)")
 
 
 @pytest.fixture(scope="module")
