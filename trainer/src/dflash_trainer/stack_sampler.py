@@ -163,13 +163,16 @@ def from_environment(label: str) -> StackSampler | None:
     return StackSampler(label).start() if os.environ.get(ENV) else None
 
 
-def write_report(sampler: StackSampler, file_name: str) -> Path:
-    """Stops `sampler` and writes its report to $DFLASH_PROFILE_START/`file_name`."""
+def write_report(sampler: StackSampler, file_name: str) -> str:
+    """Stops `sampler` and writes its report to $DFLASH_PROFILE_START/`file_name`; returns the path, or why it
+    was not written (a diagnosis must not end the run or the probe it watched)."""
     sampler.stop()
-    directory = Path(os.environ[ENV])
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / file_name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(sampler.report())
-    tmp.replace(path)
-    return path
+    path = Path(os.environ[ENV]) / file_name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(sampler.report())
+        tmp.replace(path)
+    except OSError as e:
+        return f"{path} not written ({ENV}: {e.strerror or e})"
+    return str(path)
