@@ -90,7 +90,7 @@ class TargetSide:
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
         window = [f"evaluation at step {step}: {hook.__name__}" for hook in self.eval_hooks]
-        profile = None if self._eval_profiled else stack_sampler.from_environment(window[0])
+        profile = None if self._eval_profiled or not window else stack_sampler.from_environment(window[0])
         try:
             for i, hook in enumerate(self.eval_hooks):
                 if profile is not None and i:  # a window per hook: where a first evaluation's seconds go
