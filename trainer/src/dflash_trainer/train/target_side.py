@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from dflash_trainer.data.batch import Batch, TargetBatch
 from dflash_trainer.evaluation import hooks
 from dflash_trainer.evaluation.hooks import EvalContext, EvalHook, eval_share
 from dflash_trainer.evaluation.walk import KeptWalk
+from dflash_trainer.logs import rank
 from dflash_trainer.runtime import autocast
 from dflash_trainer.train.schedule import eval_due
 from dflash_trainer.train.setup import ItemStream, Setup, drafter_spec, new_drafter
@@ -107,7 +107,7 @@ class TargetSide:
             drafter.train(was_training)
             if profile is not None:
                 self._eval_profiled = True
-                name = f"eval-profile-rank{os.environ.get('RANK', '0')}.txt"
+                name = f"eval-profile-rank{rank()}.txt"
                 log.info("evaluation profile: %s", stack_sampler.write_report(profile, name))
         seconds = time.perf_counter() - started
         trained = started - self._trained_since if self._trained_since is not None else 0.0
