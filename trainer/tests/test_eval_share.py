@@ -11,6 +11,15 @@ def test_without_training_time_only_the_seconds_are_said() -> None:
     assert eval_share(3.25, 0.0) == "3.2 s"
 
 
+def test_a_process_first_evaluation_says_its_share_includes_one_off_work() -> None:
+    # The first evaluation of a process compiles the drafter for evaluation and builds the walk's graphs: its
+    # share is not what every evaluation costs, and the line must not read as if it were.
+    line = eval_share(35.2, 24.0, first=True)
+    assert line.startswith("35.2 s, 59.5 % of the 59 s since training began")
+    assert "first evaluation of this process" in line and "once" in line
+    assert "first" not in eval_share(35.2, 24.0)
+
+
 def test_first_rows_takes_the_first_rows_of_the_held_out_batches() -> None:
     import torch
 

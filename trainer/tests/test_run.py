@@ -168,6 +168,18 @@ def test_evaluation_reports_acceptance(tmp_path, tiny_target, shards):
     assert set(figures) == {"loss", "anchor_accept", "acc_1", "acc_2", "acc_3"} | walk
 
 
+def test_a_first_evaluation_says_its_share_is_not_the_steady_one(tmp_path, tiny_target, shards, caplog):
+    target = tiny_target("qwen3_5")
+    cfg = make_config(tmp_path, target, shards, eval_every=2, eval_walk_prompts=1, max_steps=4)
+    with caplog.at_level("INFO", logger="dflash_trainer.train"):
+        Run(cfg).train(stop_at=4)
+    said = [r.getMessage() for r in caplog.records]
+    took = [line for line in said if re.match(r"evaluation at step \d+ took ", line)]
+    assert len(took) == 2, took
+    assert "since training began (the first evaluation of this process" in took[0], took[0]
+    assert took[1].endswith(" since the last"), took[1]
+
+
 WALK = ["walk_s", "walk_steps", "walk_tau", "walk_tau_pooled", "walk_tok_s"]
 
 

@@ -58,13 +58,18 @@ def walk_figures(ctx: EvalContext) -> dict[str, float]:
         return decode_walk(model, ctx.drafter, prompts, settings, ctx.kept_walk).as_dict()
 
 
-def eval_share(seconds: float, trained_s: float) -> str:
+def eval_share(seconds: float, trained_s: float, first: bool = False) -> str:
     """An evaluation's cost as the operator weighs it: its seconds and its share of the time since the last
-    one (training and evaluation together)."""
+    one (training and evaluation together). `first`: the process's first evaluation, which also compiles the
+    drafter for evaluation and builds the walk's graphs (docs/acceptance.md#what-it-costs), so its share is
+    not the steady one."""
     if trained_s <= 0:
         return f"{seconds:.1f} s"
     total = seconds + trained_s
-    return f"{seconds:.1f} s, {100 * seconds / total:.1f} % of the {total:.0f} s since the last"
+    share = f"{seconds:.1f} s, {100 * seconds / total:.1f} % of the {total:.0f} s since"
+    if first:
+        return f"{share} training began (the first evaluation of this process: its compiles and graphs, once)"
+    return f"{share} the last"
 
 
 # Every evaluation a TargetSide runs, in order; each returns figures (merged, logged, sent to the trackers as

@@ -63,6 +63,7 @@ class TargetSide:
         # Training time since the first forward or the last evaluation: an evaluation's share of the run.
         self._trained_since: float | None = None
         self._eval_profiled = False  # DFLASH_PROFILE_START: the first evaluation is sampled (`evaluate`)
+        self._evaluated = False  # the log line says when an evaluation is the process's first
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -111,11 +112,12 @@ class TargetSide:
                 log.info("evaluation profile: %s", stack_sampler.write_report(profile, name))
         seconds = time.perf_counter() - started
         trained = started - self._trained_since if self._trained_since is not None else 0.0
+        first, self._evaluated = not self._evaluated, True
         self._trained_since = time.perf_counter()
         if figures:
             shown = " ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.startswith("acc_"))
             log.info("evaluation at step %d: %s", step, shown)
-            log.info("evaluation at step %d took %s", step, eval_share(seconds, trained))
+            log.info("evaluation at step %d took %s", step, eval_share(seconds, trained, first))
         return figures
 
 
