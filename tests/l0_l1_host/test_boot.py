@@ -8,9 +8,12 @@ it a one-shot it is refused and nothing is armed."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
-from tests.l0_l1_host.boot_standin import ProxmoxHost, running_kernel
+from tests.l0_l1_host.boot_standin import ProxmoxHost, build_deb, put, running_kernel, sh
 from tests.l0_l1_host.conftest import playbook, snapshot
 
 OLD = "6.1.0-40-amd64"  # a known-good kernel the host was pinned to before
@@ -39,6 +42,11 @@ def one_shot_host(request, lab_host):
 
 
 @pytest.fixture
+def grub_host(lab_host):
+    yield from make_host("grub")
+
+
+@pytest.fixture
 def grub_lvm_host(lab_host):
     yield from make_host("grub-lvm")
 
@@ -63,6 +71,60 @@ def test_l0_pin_of_the_running_kernel_is_what_boots(pve_host):
     )
     # bootctl's package comes with L0 on systemd-boot hosts, before any trial needs it.
     assert pve_host.bootctl_installed() == (pve_host.mode == "systemd-boot")
+
+
+RUNNING_REPO = "/var/lib/lab-running-kernel/repo"
+RUNNING_LIST = "/etc/apt/sources.list.d/lab-running-kernel.list"
+RUNNING_LISTS = "/var/lib/apt/lists/_var_lib_lab-running-kernel_repo_*"
+
+
+@pytest.fixture
+def running_kernel_package(lab_host):
+    """A headers package of the kernel lab-host runs, in a repository of its own: what a PVE host's
+    repositories hold for the kernel it was installed with. Yields (kernel, package); purged afterwards."""
+    kernel = running_kernel()
+    package = f"lab-pin-headers-{kernel}"
+    deb = build_deb(
+        f"Package: {package}\nVersion: 1.0\nArchitecture: all\n"
+        "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
+    )
+    filename = f"{package}_1.0_all.deb"
+    index = (
+        f"Package: {package}\nVersion: 1.0\nArchitecture: all\nMaintainer: dflash lab <lab@localhost>\n"
+        f"Filename: ./{filename}\nSize: {len(deb)}\nSHA256: {hashlib.sha256(deb).hexdigest()}\n"
+        "Description: lab stand-in for a kernel package\n\n"
+    )
+    put(f"{RUNNING_REPO}/{filename}", deb)
+    put(f"{RUNNING_REPO}/Packages", index.encode())
+    put(RUNNING_LIST, f"deb [trusted=yes] file:{RUNNING_REPO} ./\n".encode())
+    sh(
+        f"apt-get update -qq -o Dir::Etc::sourcelist={RUNNING_LIST} -o Dir::Etc::sourceparts=-"
+        " -o APT::Get::List-Cleanup=0"
+    )
+    try:
+        yield kernel, package
+    finally:
+        sh(
+            f"apt-mark unhold {package} >/dev/null 2>&1 || true;"
+            f" apt-get purge -y -qq -o DPkg::Lock::Timeout=120 {package} >/dev/null 2>&1 || true;"
+            f" rm -rf /var/lib/lab-running-kernel {RUNNING_LIST} {RUNNING_LISTS}"
+        )
+
+
+def test_a_host_installed_with_the_pinned_kernel_gets_it_pinned(grub_host, running_kernel_package):
+    """A fresh host that already runs host_kernel_version has no pin: L0 must pin it (Verify L0 demands a
+    permanent pin, and a later kernel package would otherwise become the default boot entry by being the
+    newest), the boot must start it, and a second run changes nothing."""
+    kernel, package = running_kernel_package
+    extra = json.dumps(
+        {"host_kernel_version": kernel, "host_kernel_packages": [package], "host_kernel_dkms_expected": {}}
+    )
+    assert "etc/kernel/proxmox-boot-pin" not in grub_host.boot_state()
+    run("ansible/l0_host.yml", "-e", extra)
+    assert f"etc/kernel/proxmox-boot-pin: {kernel}" in grub_host.boot_state(), grub_host.boot_state()
+    assert grub_host.boot() == kernel, grub_host.calls()
+    again = run("ansible/l0_host.yml", "-e", extra)
+    assert "changed=0" in again, again[-2000:]
 
 
 def test_commit_pin_is_what_boots(pve_host):

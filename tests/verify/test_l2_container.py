@@ -60,13 +60,25 @@ def test_proxmox_config_carries_the_roles_shm_and_memlock_lines(hostvars: dict[s
         assert found == [f"lxc.prlimit.memlock: {memlock}"], f"{path}: memlock lines {found}, want {memlock}"
 
 
-def test_memory_limit_covers_shm_and_trainer(host, hostvars: dict[str, Any]) -> None:
-    out = host.run(
-        "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
-    ).stdout.strip()
-    assert out, "no memory limit visible in the CT (cgroup v2 memory.max or v1 memory.limit_in_bytes)"
+def ct_memory_limit(host, proxmox, vmid: object) -> tuple[str, str]:
+    """The CT's memory limit and where it was read. PVE sets it on the CT's cgroup lxc/<vmid> and runs the
+    CT's processes in its child lxc/<vmid>/ns (pve-container src/PVE/LXC.pm: lxc.cgroup.dir.container and
+    .container.inner = ns; liblxc cgfsng.c writes cgroup2 limits to the outer one), so inside the CT
+    cgroup v2's memory.max reads "max": the limit is read on the Proxmox host. The lab's machine is hybrid
+    (cgroup v1 memory controller, no .inner): there the CT's own memory.limit_in_bytes holds it."""
+    on_host = f"/sys/fs/cgroup/lxc/{vmid}/memory.max"
+    if proxmox.file(on_host).exists:
+        return proxmox.file(on_host).content_string.strip(), f"{on_host} on the Proxmox host"
+    v1 = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+    if host.file(v1).exists:
+        return host.file(v1).content_string.strip(), f"{v1} in the CT"
+    pytest.fail(f"no memory limit found: {on_host} is missing on the Proxmox host (is the CT running?)")
+
+
+def test_memory_limit_covers_shm_and_trainer(host, proxmox, hostvars: dict[str, Any]) -> None:
+    out, where = ct_memory_limit(host, proxmox, hostvars["ct_vmid"])
     want = int(hostvars["ct_memory_mb"]) * 1024 * 1024
-    assert out != "max", f"the CT has no memory limit; inventory wants {want} bytes"
+    assert out != "max", f"the CT has no memory limit ({where}: max); inventory wants {want} bytes"
     assert int(out) == want, (
         f"memory limit {int(out) // 2**20} MiB, inventory wants {hostvars['ct_memory_mb']} MiB"
     )
