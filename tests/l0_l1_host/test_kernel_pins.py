@@ -22,6 +22,30 @@ NEWER_PACKAGE = f"lab-pin-headers-{NEWER}"
 REPO_DIR = "/var/lib/lab-pins/repo"
 REPO_LIST = "/etc/apt/sources.list.d/lab-pins.list"
 REPO_LISTS_GLOB = "/var/lib/apt/lists/_var_lib_lab-pins_repo_*"
+ENTERPRISE_PORT = 8401
+# What enterprise.proxmox.com answers a host without a subscription key: 401 with a Basic challenge, for every
+# index apt asks for (pve.proxmox.com/wiki/Package_repositories: "the enterprise repository ... requires a
+# valid subscription key"). Served on lab-host's loopback, where /etc/hosts sends the name.
+REFUSING_SERVER = f"""
+import http.server
+class Refuse(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="Proxmox Enterprise Repository"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_HEAD = do_GET
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", {ENTERPRISE_PORT}), Refuse).serve_forever()
+"""
+# As PVE 9's installer writes them (deb822), on the lab's port; ceph's disabled, as an operator leaves it.
+ENTERPRISE_SOURCES = {
+    "pve-enterprise.sources": f"Types: deb\nURIs: http://enterprise.proxmox.com:{ENTERPRISE_PORT}/debian/pve\n"
+    "Suites: trixie\nComponents: pve-enterprise\nTrusted: yes\n",
+    "ceph.sources": f"Types: deb\nURIs: http://enterprise.proxmox.com:{ENTERPRISE_PORT}/debian/ceph-squid\n"
+    "Suites: trixie\nComponents: enterprise\nTrusted: yes\nEnabled: no\n",
+}
 
 
 def packages() -> str:
@@ -62,6 +86,43 @@ def newer_repository(lab_host: str) -> Iterator[None]:
         yield
     finally:
         sh(f"rm -rf /var/lib/lab-pins {REPO_LIST} {REPO_LISTS_GLOB}")
+
+
+@pytest.fixture
+def enterprise_repository(lab_host: str) -> Iterator[None]:
+    """lab-host as a fresh PVE 9 host without a subscription: its enterprise sources answer 401."""
+    saved = "/var/lib/lab-enterprise/hosts"  # lab-host's own /etc/hosts, if it has one
+    try:
+        put("/var/lib/lab-enterprise/server.py", REFUSING_SERVER.encode(), "0644")
+        sh(
+            f"if [ -e /etc/hosts ]; then cp /etc/hosts {saved}; fi;"
+            " echo '127.0.0.1 enterprise.proxmox.com' >> /etc/hosts;"
+            " setsid nohup python3 /var/lib/lab-enterprise/server.py >/dev/null 2>&1 < /dev/null &"
+            " echo $! > /var/lib/lab-enterprise/pid"
+        )
+        for name, text in ENTERPRISE_SOURCES.items():
+            put(f"/etc/apt/sources.list.d/{name}", text.encode(), "0644")
+        yield
+    finally:
+        files = " ".join(f"/etc/apt/sources.list.d/{name}" for name in ENTERPRISE_SOURCES)
+        sh(
+            f"kill $(cat /var/lib/lab-enterprise/pid 2>/dev/null) 2>/dev/null || true; rm -f {files};"
+            f" if [ -e {saved} ]; then cp {saved} /etc/hosts; else rm -f /etc/hosts; fi;"
+            " rm -rf /var/lib/lab-enterprise"
+        )
+
+
+def test_an_enterprise_repository_without_a_subscription_is_named(enterprise_repository):
+    """The first apt refresh of a fresh PVE 9 host fails on its enterprise sources: the refusal names the
+    enabled ones (not the disabled ceph.sources) and the no-subscription repository, and changes nothing."""
+    before = (snapshot(), packages())
+    time.sleep(2)  # the lists are older than the 1 s below: the preflight refreshes them
+    out = refused("-e", json.dumps({"host_kernel_apt_cache_valid_time": 1}), "--tags", "preflight")
+    assert "host lab-host: apt could not refresh its package lists" in out, out[-2000:]
+    enabled = "/etc/apt/sources.list.d/pve-enterprise.sources enable Proxmox's enterprise repository"
+    assert enabled in out and "ceph.sources" not in out, out[-2000:]
+    assert "pve-no-subscription repository" in out and "nothing was changed" in out, out[-2000:]
+    assert (snapshot(), packages()) == before
 
 
 def test_a_pin_apt_does_not_have_is_refused_naming_what_it_has(lab_host):
