@@ -81,11 +81,12 @@ def test_module_version_for_pinned_kernel(host, hostvars):
 
 def test_nouveau_blacklisted(host, hostvars):
     path = var(hostvars, "nvidia_driver_blacklist_file")
-    assert "blacklist nouveau" in host.file(path).content_string.splitlines(), (
-        f"{path} does not blacklist nouveau"
-    )
+    lines = host.file(path).content_string.splitlines()
+    for module in ("nouveau", "nova_core", "nova_drm"):  # each binds NVIDIA GPUs before nvidia.ko can
+        assert f"blacklist {module}" in lines, f"{path} does not blacklist {module}"
     if host.run("systemd-detect-virt --container").rc != 0:
-        assert not host.file("/sys/module/nouveau").exists, "nouveau is loaded"
+        for module in ("nouveau", "nova_core"):
+            assert not host.file(f"/sys/module/{module}").exists, f"{module} is loaded"
 
 
 def test_boot_units_enabled(host, hostvars):
