@@ -105,6 +105,21 @@ def build_deb(control: str, files: dict[str, tuple[bytes, int]] | None = None) -
         return deb.read_bytes()
 
 
+def put_kernel_package_repository(repo_dir: str, list_path: str, package: str) -> None:
+    """An apt repository on lab-host holding one empty package of version 1.0 (a kernel package's stand-in:
+    L0 asks apt for its candidate, installs and holds it), and the source list that names it."""
+    control = (
+        f"Package: {package}\nVersion: 1.0\nArchitecture: all\nMaintainer: dflash lab <lab@localhost>\n"
+        "Description: lab stand-in for a kernel package\n"
+    )
+    deb = build_deb(control)
+    filename = f"{package}_1.0_all.deb"
+    fields = f"Filename: ./{filename}\nSize: {len(deb)}\nSHA256: {hashlib.sha256(deb).hexdigest()}\n"
+    put(f"{repo_dir}/{filename}", deb)
+    put(f"{repo_dir}/Packages", (control.replace("Description:", fields + "Description:") + "\n").encode())
+    put(list_path, f"deb [trusted=yes] file:{repo_dir} ./\n".encode())
+
+
 def bootctl_deb() -> bytes:
     """The stand-in package: /usr/bin/bootctl from lab/boot_standin."""
     bootctl = (STANDIN / "bootctl").read_bytes()

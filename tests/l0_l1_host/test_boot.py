@@ -8,12 +8,11 @@ it a one-shot it is refused and nothing is armed."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
 
-from tests.l0_l1_host.boot_standin import ProxmoxHost, build_deb, put, running_kernel, sh
+from tests.l0_l1_host.boot_standin import ProxmoxHost, put_kernel_package_repository, running_kernel, sh
 from tests.l0_l1_host.conftest import playbook, snapshot
 
 OLD = "6.1.0-40-amd64"  # a known-good kernel the host was pinned to before
@@ -84,19 +83,7 @@ def running_kernel_package(lab_host):
     repositories hold for the kernel it was installed with. Yields (kernel, package); purged afterwards."""
     kernel = running_kernel()
     package = f"lab-pin-headers-{kernel}"
-    deb = build_deb(
-        f"Package: {package}\nVersion: 1.0\nArchitecture: all\n"
-        "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
-    )
-    filename = f"{package}_1.0_all.deb"
-    index = (
-        f"Package: {package}\nVersion: 1.0\nArchitecture: all\nMaintainer: dflash lab <lab@localhost>\n"
-        f"Filename: ./{filename}\nSize: {len(deb)}\nSHA256: {hashlib.sha256(deb).hexdigest()}\n"
-        "Description: lab stand-in for a kernel package\n\n"
-    )
-    put(f"{RUNNING_REPO}/{filename}", deb)
-    put(f"{RUNNING_REPO}/Packages", index.encode())
-    put(RUNNING_LIST, f"deb [trusted=yes] file:{RUNNING_REPO} ./\n".encode())
+    put_kernel_package_repository(RUNNING_REPO, RUNNING_LIST, package)
     sh(
         f"apt-get update -qq -o Dir::Etc::sourcelist={RUNNING_LIST} -o Dir::Etc::sourceparts=-"
         " -o APT::Get::List-Cleanup=0"

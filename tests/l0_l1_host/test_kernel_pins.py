@@ -5,14 +5,13 @@ host_kernel_apt_cache_valid_time, so a pin that only newer lists have is not ref
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.l0_l1_host.boot_standin import build_deb, put, sh
+from tests.l0_l1_host.boot_standin import put, put_kernel_package_repository, sh
 from tests.l0_l1_host.conftest import attach, playbook, snapshot
 
 L0 = "ansible/l0_host.yml"
@@ -62,26 +61,10 @@ def refused(*extra: str) -> str:
     return out
 
 
-def empty_deb(name: str, version: str) -> bytes:
-    return build_deb(
-        f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
-        "Maintainer: dflash lab <lab@localhost>\nDescription: lab stand-in for a kernel package\n"
-    )
-
-
 @pytest.fixture
 def newer_repository(lab_host: str) -> Iterator[None]:
     """A repository whose package lab-host's apt lists do not know yet (a release since the last update)."""
-    deb = empty_deb(NEWER_PACKAGE, "1.0")
-    filename = f"{NEWER_PACKAGE}_1.0_all.deb"
-    index = (
-        f"Package: {NEWER_PACKAGE}\nVersion: 1.0\nArchitecture: all\nMaintainer: dflash lab <lab@localhost>\n"
-        f"Filename: ./{filename}\nSize: {len(deb)}\nSHA256: {hashlib.sha256(deb).hexdigest()}\n"
-        "Description: lab stand-in for a kernel package\n\n"
-    )
-    put(f"{REPO_DIR}/{filename}", deb)
-    put(f"{REPO_DIR}/Packages", index.encode())
-    put(REPO_LIST, f"deb [trusted=yes] file:{REPO_DIR} ./\n".encode())
+    put_kernel_package_repository(REPO_DIR, REPO_LIST, NEWER_PACKAGE)
     try:
         yield
     finally:
