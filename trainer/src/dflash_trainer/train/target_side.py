@@ -62,8 +62,8 @@ class TargetSide:
         self.progress: Callable[[str], None] = lambda _text: None
         # Training time since the first forward or the last evaluation: an evaluation's share of the run.
         self._trained_since: float | None = None
-        self._eval_profiled = False  # DFLASH_PROFILE_START: the first evaluation is sampled (`evaluate`)
-        self._evaluated = False  # the log line says when an evaluation is the process's first
+        # The process's first evaluation is sampled (DFLASH_PROFILE_START) and says so in its log line.
+        self._evaluated = False
 
     def start_at(self, item: int, data_state: dict[str, int] | None) -> None:
         stream = getattr(self.rows, "__self__", None)
@@ -88,10 +88,11 @@ class TargetSide:
         )  # fmt: skip
         figures: dict[str, float] = {}
         started = time.perf_counter()
+        first, self._evaluated = not self._evaluated, True
         was_training = drafter.training
         drafter.eval()  # every hook sees the drafter as it serves
         window = [f"evaluation at step {step}: {hook.__name__}" for hook in self.eval_hooks]
-        profile = None if self._eval_profiled or not window else stack_sampler.from_environment(window[0])
+        profile = stack_sampler.from_environment(window[0]) if first and window else None
         try:
             for i, hook in enumerate(self.eval_hooks):
                 if profile is not None and i:  # a window per hook: where a first evaluation's seconds go
@@ -107,12 +108,10 @@ class TargetSide:
         finally:
             drafter.train(was_training)
             if profile is not None:
-                self._eval_profiled = True
                 name = f"eval-profile-rank{rank()}.txt"
                 log.info("evaluation profile: %s", stack_sampler.write_report(profile, name))
         seconds = time.perf_counter() - started
         trained = started - self._trained_since if self._trained_since is not None else 0.0
-        first, self._evaluated = not self._evaluated, True
         self._trained_since = time.perf_counter()
         if figures:
             shown = " ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.startswith("acc_"))
