@@ -47,13 +47,15 @@ BOOTCTL_DESCRIPTION = "Description: lab stand-in for bootctl (set-oneshot only)\
 REPO_DIR = "/var/lib/lab-boot/repo"
 REPO_LIST = "/etc/apt/sources.list.d/lab-boot.list"
 REPO_LISTS_GLOB = "/var/lib/apt/lists/_var_lib_lab-boot_repo_*"
-# Reads only the lab repository's index (the other lists stay as they are); waits out another apt run's lock.
-APT_UPDATE_LAB_REPO = (
-    "for i in $(seq 60); do apt-get update -qq -o Dir::Etc::sourcelist="
-    + REPO_LIST
-    + " -o Dir::Etc::sourceparts=-"
-    " -o APT::Get::List-Cleanup=0 && exit 0; sleep 2; done; exit 1"
-)
+
+
+def apt_update_only(list_path: str) -> str:
+    """A script that reads only the index of the repository `list_path` names (the other lists stay as they
+    are); it waits out another apt run's lock."""
+    return (
+        f"for i in $(seq 60); do apt-get update -qq -o Dir::Etc::sourcelist={list_path}"
+        " -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 && exit 0; sleep 2; done; exit 1"
+    )
 
 
 def sh(script: str) -> str:
@@ -165,7 +167,7 @@ class ProxmoxHost:
         put(f"{REPO_DIR}/{filename}", deb)
         put(f"{REPO_DIR}/Packages", packages_index(deb, filename))
         put(REPO_LIST, f"deb [trusted=yes] file:{REPO_DIR} ./\n".encode())
-        sh(APT_UPDATE_LAB_REPO)
+        sh(apt_update_only(REPO_LIST))
         assert f"Candidate: {BOOTCTL_VERSION}" in sh(f"apt-cache policy {BOOTCTL_PACKAGE}")
 
     def remove(self) -> None:

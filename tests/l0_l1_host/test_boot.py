@@ -12,7 +12,13 @@ import json
 
 import pytest
 
-from tests.l0_l1_host.boot_standin import ProxmoxHost, put_kernel_package_repository, running_kernel, sh
+from tests.l0_l1_host.boot_standin import (
+    ProxmoxHost,
+    apt_update_only,
+    put_kernel_package_repository,
+    running_kernel,
+    sh,
+)
 from tests.l0_l1_host.conftest import playbook, snapshot
 
 OLD = "6.1.0-40-amd64"  # a known-good kernel the host was pinned to before
@@ -84,10 +90,7 @@ def running_kernel_package(lab_host):
     kernel = running_kernel()
     package = f"lab-pin-headers-{kernel}"
     put_kernel_package_repository(RUNNING_REPO, RUNNING_LIST, package)
-    sh(
-        f"apt-get update -qq -o Dir::Etc::sourcelist={RUNNING_LIST} -o Dir::Etc::sourceparts=-"
-        " -o APT::Get::List-Cleanup=0"
-    )
+    sh(apt_update_only(RUNNING_LIST))
     try:
         yield kernel, package
     finally:
