@@ -38,12 +38,19 @@ class Refuse(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer(("127.0.0.1", {ENTERPRISE_PORT}), Refuse).serve_forever()
 """
-# As PVE 9's installer writes them (deb822), on the lab's port; ceph's disabled, as an operator leaves it.
+# As PVE 9's installer writes them (deb822), on the lab's port; ceph's disabled, as an operator leaves it
+# ("No" in apt's any-case boolean). proxmox.sources: an operator's file of two stanzas, the no-subscription
+# source disabled for now beside the enterprise one, which is enabled.
+PVE_ENTERPRISE = (
+    f"Types: deb\nURIs: http://enterprise.proxmox.com:{ENTERPRISE_PORT}/debian/pve\nSuites: trixie\n"
+    "Components: pve-enterprise\nTrusted: yes\n"
+)
 ENTERPRISE_SOURCES = {
-    "pve-enterprise.sources": f"Types: deb\nURIs: http://enterprise.proxmox.com:{ENTERPRISE_PORT}/debian/pve\n"
-    "Suites: trixie\nComponents: pve-enterprise\nTrusted: yes\n",
+    "pve-enterprise.sources": PVE_ENTERPRISE,
     "ceph.sources": f"Types: deb\nURIs: http://enterprise.proxmox.com:{ENTERPRISE_PORT}/debian/ceph-squid\n"
-    "Suites: trixie\nComponents: enterprise\nTrusted: yes\nEnabled: no\n",
+    "Suites: trixie\nComponents: enterprise\nTrusted: yes\nEnabled: No\n",
+    "proxmox.sources": "Types: deb\nURIs: http://download.proxmox.com/debian/pve\nSuites: trixie\n"
+    f"Components: pve-no-subscription\nEnabled: no\n\n{PVE_ENTERPRISE}",
 }
 
 
@@ -102,7 +109,10 @@ def test_an_enterprise_repository_without_a_subscription_is_named(enterprise_rep
     time.sleep(2)  # the lists are older than the 1 s below: the preflight refreshes them
     out = refused("-e", json.dumps({"host_kernel_apt_cache_valid_time": 1}), "--tags", "preflight")
     assert "host lab-host: apt could not refresh its package lists" in out, out[-2000:]
-    enabled = "/etc/apt/sources.list.d/pve-enterprise.sources enable Proxmox's enterprise repository"
+    enabled = (
+        "/etc/apt/sources.list.d/proxmox.sources, /etc/apt/sources.list.d/pve-enterprise.sources"
+        " enable Proxmox's enterprise repository"
+    )
     assert enabled in out and "ceph.sources" not in out, out[-2000:]
     assert "pve-no-subscription repository" in out and "nothing was changed" in out, out[-2000:]
     assert (snapshot(), packages()) == before
