@@ -26,9 +26,23 @@ def plain(hostvars: dict[str, Any], key: str) -> Any:
 
 
 def test_container_runs_systemd(host) -> None:
+    """Booted: running or degraded, or still starting where every job that runs is the training's own (the
+    model's staging and the trainer until READY run at every boot and hold multi-user.target: L2's boot wait,
+    roles/pve_container/tasks/start.yml)."""
     assert host.run("cat /proc/1/comm").stdout.strip() == "systemd"
     state = host.run("systemctl is-system-running").stdout.strip()
-    assert state in ("running", "degraded"), f"systemd in the CT is {state!r}"
+    if state == "starting":
+        jobs = [
+            line.split() for line in host.run("systemctl list-jobs --no-legend --plain").stdout.splitlines()
+        ]
+        others = [
+            job[1]
+            for job in jobs
+            if len(job) >= 4 and job[3] == "running" and not job[1].startswith("dflash-")
+        ]
+        assert not others, f"systemd in the CT is still starting: {', '.join(others)} running"
+    else:
+        assert state in ("running", "degraded"), f"systemd in the CT is {state!r}"
 
 
 def test_dev_shm_is_a_tmpfs_of_the_inventory_size(host, hostvars: dict[str, Any]) -> None:
