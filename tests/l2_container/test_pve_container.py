@@ -512,3 +512,18 @@ def test_the_stand_in_shutdown_honours_its_timeout(pve) -> None:
     assert b.status == "running" and b.stop_kind == "killed"
     running = node.tasks.get(vmid=202, source="active")
     assert running == [] and node.tasks.get(vmid=202)[0]["status"] == "OK"
+
+
+def test_a_feature_change_on_a_running_ct_restarts_it(pve, play) -> None:
+    """A running CT takes a features change only at its next start (pve-container src/PVE/LXC/Config.pm:
+    `features` is not in $LXC_FASTPLUG_OPTIONS, vmconfig_hotplug_pending leaves it pending): L2 restarts it,
+    as for a changed device or raw line, so that the flag (nesting for the unit's sandboxing) applies now."""
+    assert play().rc == 0
+    ct = pve.ct(200)
+    started = ct.started_at
+    run = play(ct_features=["nesting=1", "keyctl=1"])
+    assert run.rc == 0, run.error()
+    assert not ct.pending, f"still pending after L2: {ct.pending}"
+    assert ct.config["features"] == "keyctl=1,nesting=1", ct.config.get("features")  # as PVE writes it
+    assert ct.status == "running" and ct.started_at != started, "CT 200 was not restarted"
+    assert play(ct_features=["nesting=1", "keyctl=1"]).changed == 0
