@@ -89,6 +89,8 @@ def test_l2_after_a_boot_waits_for_the_boot_not_for_the_training_to_load(fresh, 
     changes nothing. A boot that another unit holds up past ct_start_timeout_s is an error naming it."""
     ct = fresh
     assert ct.show("UnitFileState") == "enabled", "the unit must start at boot"
+    converged = play(ct, "l2_container.yml")  # a new lab has had no L2 (`make test`: molecule ran it)
+    assert converged.returncode == 0, " ".join(converged.stdout.split())[-3000:]
     try:
         reboot_with_a_slow_start(ct, slow)
         run = play(ct, "l2_container.yml", "-e", "ct_start_timeout_s=20")
