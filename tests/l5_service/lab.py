@@ -135,29 +135,18 @@ def stage_data() -> None:
     subprocess.run(["chmod", "-R", "a+rX", *parts], check=True)
 
 
-def converge(*extra: str) -> None:
+def playbook(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """ansible/NAME against the lab's inventory, as `make provision` runs it."""
     env = os.environ | {
         "PATH": f"{OPS}:{os.environ['PATH']}",
         "ANSIBLE_CONFIG": str(REPO / "ansible/ansible.cfg"),
     }
-    proc = subprocess.run(
-        [
-            str(OPS / "ansible-playbook"),
-            "-i",
-            str(REPO / "inventory/lab"),
-            str(REPO / "ansible/l5_service.yml"),
-            "-l",
-            CT,
-            "-e",
-            f"@{REPO / 'tests/l5_service/lab_vars.yml'}",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
+    argv = [str(OPS / "ansible-playbook"), "-i", str(REPO / "inventory/lab"), str(REPO / "ansible" / name)]
+    return subprocess.run([*argv, *extra], capture_output=True, text=True, env=env, timeout=600, check=False)
+
+
+def converge(*extra: str) -> None:
+    proc = playbook("l5_service.yml", "-l", CT, "-e", f"@{REPO / 'tests/l5_service/lab_vars.yml'}", *extra)
     if proc.returncode != 0:
         raise AssertionError(f"converge failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
 

@@ -4,7 +4,6 @@ step, the drafter saves), the container boots, the enabled unit starts again and
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -55,17 +54,6 @@ SLOW = {
 }
 
 
-def play(ct, playbook: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    """ansible/PLAYBOOK against the lab, as `make provision` runs it."""
-    env = os.environ | {
-        "PATH": f"{ct.OPS}:{os.environ['PATH']}",
-        "ANSIBLE_CONFIG": str(ct.REPO / "ansible/ansible.cfg"),
-    }
-    argv = [str(ct.OPS / "ansible-playbook"), "-i", str(ct.REPO / "inventory/lab")]
-    argv += [str(ct.REPO / "ansible" / playbook), *extra]
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
-
-
 def reboot_with_a_slow_start(ct, path: str) -> None:
     """CT 200 rebooted with `path` in place, and back once its boot queued that unit's start."""
     unit = "dflash-train.service" if path == SLOW_TRAINER else os.path.basename(path)
@@ -89,11 +77,11 @@ def test_l2_after_a_boot_waits_for_the_boot_not_for_the_training_to_load(fresh, 
     changes nothing. A boot that another unit holds up past ct_start_timeout_s is an error naming it."""
     ct = fresh
     assert ct.show("UnitFileState") == "enabled", "the unit must start at boot"
-    converged = play(ct, "l2_container.yml")  # a new lab has had no L2 (`make test`: molecule ran it)
+    converged = ct.playbook("l2_container.yml")  # a new lab has had no L2 (`make test`: molecule ran it)
     assert converged.returncode == 0, " ".join(converged.stdout.split())[-3000:]
     try:
         reboot_with_a_slow_start(ct, slow)
-        run = play(ct, "l2_container.yml", "-e", "ct_start_timeout_s=20")
+        run = ct.playbook("l2_container.yml", "-e", "ct_start_timeout_s=20")
         out = " ".join(run.stdout.split())
         if slow == SLOW_TRAINER:
             assert run.returncode == 0, out[-3000:]
@@ -101,7 +89,7 @@ def test_l2_after_a_boot_waits_for_the_boot_not_for_the_training_to_load(fresh, 
             recap = out.split("lab-ct200 : ok=")[-1][:40]
             assert " changed=0 " in recap, out[-600:]
             assert ct.sh("systemctl is-system-running", check=False).stdout.strip() == "starting"
-            verify = play(ct, "verify_layer.yml", "-e", '{"verify_tests": ["test_l2_container.py"]}')
+            verify = ct.playbook("verify_layer.yml", "-e", '{"verify_tests": ["test_l2_container.py"]}')
             assert verify.returncode == 0, " ".join(verify.stdout.split())[-3000:]
         else:
             assert run.returncode != 0, out[-3000:]
