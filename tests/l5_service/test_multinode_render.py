@@ -98,7 +98,8 @@ def test_a_job_of_two_cts_and_a_ct_alone(tmp_path: Path) -> None:
             "launch --nproc-per-node 1 --nnodes 2 --rdzv-endpoint 10.30.0.21:29444 --rdzv-id job7 "
             f"--local-addr {me} -- serve /etc/dflash/train.toml"
         ), unit
-        assert any(x.endswith(" preflight --nproc 1 /etc/dflash/train.toml") for x in unit.splitlines()), unit
+        preflight = " preflight --defer-probes --nproc 1 /etc/dflash/train.toml"
+        assert any(x.endswith(preflight) for x in unit.splitlines()), unit
         assert "Environment=DFLASH_NNODES=2 NCCL_SOCKET_IFNAME=eth1 GLOO_SOCKET_IFNAME=eth1" in unit
         assert "DFLASH_NPROC=1" in unit
         assert line(unit, "Description") == (

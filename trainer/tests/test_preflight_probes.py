@@ -54,11 +54,13 @@ def probes(tmp_path, monkeypatch):
     return SimpleNamespace(calls=calls, answers=answers, file=tmp_path / "cache" / "verdicts.json")
 
 
-def gpu_context(tmp_path: Path, *, hybrid: bool = False, full: bool = False) -> preflight.Context:
+def gpu_context(
+    tmp_path: Path, *, hybrid: bool = False, full: bool = False, defer: bool = False
+) -> preflight.Context:
     target = tmp_path / "target"
     target.mkdir(exist_ok=True)
     (target / "config.json").write_text(json.dumps(HYBRID_CONFIG))
-    ctx = preflight.Context(tmp_path / "train.toml", 1, full=full)
+    ctx = preflight.Context(tmp_path / "train.toml", 1, full=full, defer_probes=defer)
     ctx.cfg = SimpleNamespace(model=SimpleNamespace(target_path=target))  # type: ignore[assignment]
     ctx.facts.update(device="cuda", hybrid=hybrid)
     return ctx
@@ -73,6 +75,18 @@ def test_a_passed_probe_is_kept_and_reused_with_an_equal_key(tmp_path, probes):
     assert len(probes.calls) == 1, "the kept verdict was not reused"
     assert "no probe ran" in again and "triton verdict kept from" in again
     assert again.startswith("triton probe ran")
+
+
+def test_the_units_preflight_leaves_a_probe_without_a_kept_verdict_to_the_ranks(tmp_path, probes) -> None:
+    line = preflight.check_triton(gpu_context(tmp_path, hybrid=True, defer=True))
+    assert probes.calls == [] and not probes.file.exists()
+    assert line.startswith("triton and fla deferred to the ranks: probed beside their start"), line
+    assert "triton probed (no verdict kept)" in line
+
+    preflight.check_triton(gpu_context(tmp_path))  # by hand: probes, and keeps the triton verdict
+    line = preflight.check_triton(gpu_context(tmp_path, hybrid=True, defer=True))
+    assert len(probes.calls) == 1, "a kept verdict was probed again"
+    assert line.startswith("triton probe ran; fla deferred to the ranks"), line
 
 
 def test_a_changed_key_probes_again_and_names_the_change(tmp_path, probes, monkeypatch):

@@ -55,8 +55,26 @@ def fla_causal_conv1d_fn(
     return y.transpose(1, 2)
 
 
+# Each runs before the first CUDA launch of a dispatch below, until one returns (service.probes_beside: the
+# GPU probes' verdict, and their autotune results on disk before the rank's first FLA kernel looks for them).
+_BEFORE_FIRST_LAUNCH: list[Callable[[], None]] = []
+
+
+def hold_first_launch(wait: Callable[[], None]) -> None:
+    """`wait` runs before this process's first FLA kernel launch; what it raises, that launch raises."""
+    _BEFORE_FIRST_LAUNCH.append(wait)
+
+
+def _first_launch() -> None:
+    while _BEFORE_FIRST_LAUNCH:
+        _BEFORE_FIRST_LAUNCH[0]()  # raised: still held, the next launch asks again
+        _BEFORE_FIRST_LAUNCH.pop(0)
+
+
 def _dispatcher(kernel: Callable[..., Any], torch_impl: Callable[..., Any]) -> Callable[..., Any]:
     def dispatch(first: Any, *args: Any, **kwargs: Any) -> Any:
+        if first.is_cuda and _BEFORE_FIRST_LAUNCH:
+            _first_launch()
         impl = kernel if first.is_cuda else torch_impl
         return impl(first, *args, **kwargs)
 
@@ -73,6 +91,8 @@ def _delta_rule_dispatcher(
     def dispatch(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
+        if query.is_cuda and _BEFORE_FIRST_LAUNCH:
+            _first_launch()
         if query.is_cuda and kernel_takes_groups:
             return kernel(query, key, value, *args, **kwargs)
         groups = value.shape[2] // query.shape[2]

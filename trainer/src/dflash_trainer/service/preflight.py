@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dflash_trainer.config import ConfigError, TrainConfig, load_config, read_target_info, validate
 from dflash_trainer.manifest import human_bytes
+from dflash_trainer.service import probe_cache
 
 GiB = 1 << 30
 PROVISION_L4 = "make provision TAGS=l4 (restages the model and re-syncs the shards)"
@@ -77,6 +78,7 @@ class Context:
     full: bool = False  # hash the model and the shards against their manifests, not only their sizes
     nnodes: int = 1  # several nodes (docs/pipeline.md): nproc is this node's share of [topology]'s ranks
     pins_dir: Path = field(default_factory=pins_dir)
+    defer_probes: bool = False  # a probe without a kept verdict runs beside the ranks' start, not here
 
     def need_cfg(self) -> TrainConfig:
         if self.cfg is None:
@@ -167,6 +169,12 @@ def _pinned(ctx: Context, what: str) -> str:
     return "manifest sha256 as pinned"
 
 
+def target_is_hybrid(target_path: Path) -> bool:
+    """Whether the target has linear-attention (Gated DeltaNet) layers: the text config of a wrapper."""
+    raw = json.loads((target_path / "config.json").read_text())
+    return "linear_attention" in (raw.get("text_config", raw).get("layer_types") or [])
+
+
 def check_model(ctx: Context) -> str:
     cfg = ctx.need_cfg()
     path = cfg.model.target_path
@@ -176,10 +184,8 @@ def check_model(ctx: Context) -> str:
         validate(cfg, target=info)
     except ConfigError as e:
         raise Failed(str(e), f"edit {ctx.config_path} or stage the intended target") from None
-    raw = json.loads((path / "config.json").read_text())
-    text = raw.get("text_config", raw)
     ctx.facts["model_bytes"] = _dir_bytes(path)
-    ctx.facts["hybrid"] = "linear_attention" in (text.get("layer_types") or [])
+    ctx.facts["hybrid"] = target_is_hybrid(path)
     ctx.facts["target"] = info
     return (
         f"{path}: {info.num_layers} layers, hidden {info.hidden_size}, "
@@ -336,7 +342,7 @@ def check_memlock(ctx: Context) -> str:
     return f"{text} (enough on CPU; CUDA runs need LimitMEMLOCK=infinity)"
 
 
-def _device_kind(cfg: TrainConfig) -> str:
+def device_kind(cfg: TrainConfig) -> str:
     import torch
 
     if cfg.train.device == "auto":
@@ -348,7 +354,7 @@ def check_devices(ctx: Context) -> str:
     import torch
 
     cfg = ctx.need_cfg()
-    kind = _device_kind(cfg)
+    kind = device_kind(cfg)
     ctx.facts["device"] = kind
     topo = cfg.topology
     wanted = topo.ranks
@@ -601,36 +607,52 @@ def _run_probes(probes: dict[str, tuple[list[str], float]]) -> dict[str, str | R
         return dict(zip(probes, pool.map(one, probes.values()), strict=True))
 
 
-def check_triton(ctx: Context) -> str:
-    """The GPU probes (service.gpu_probe): a Triton kernel, and a hybrid target's FLA kernels on its shape.
-    A verdict kept from an earlier passed probe with an equal key is reused (service.probe_cache); --full
-    always probes."""
-    from dflash_trainer.service import probe_cache
+@dataclass
+class ProbePlan:
+    """The GPU probes a run needs (name -> command, timeout), their keys, and the verdicts kept for them."""
 
-    if ctx.facts.get("device") != "cuda":
-        raise Skipped("no GPU: Triton kernels run on the GPU machine")
+    commands: dict[str, tuple[list[str], float]]
+    keys: dict[str, dict[str, str]]
+    cache: probe_cache.VerdictCache
+    verdicts: dict[str, str] = field(default_factory=dict)  # kept, or passed in this run
+    notes: list[str] = field(default_factory=list)  # per probe: its kept verdict's date, or why it runs
+
+    @property
+    def missing(self) -> list[str]:
+        return [name for name in self.commands if name not in self.verdicts]
+
+
+def plan_probes(hybrid_target: Path | None, *, full: bool) -> ProbePlan:
+    """A Triton kernel's probe, and the FLA kernels' on the Gated DeltaNet shape of `hybrid_target` (None: not
+    hybrid); a verdict kept from an earlier passed probe with an equal key is reused unless `full`."""
     wanted: dict[str, tuple[list[str], float, dict[str, int] | None]] = {
         "triton": (probe_command("triton"), 120, None)
     }
-    if ctx.facts.get("hybrid"):
-        path = ctx.need_cfg().model.target_path
-        shape = hybrid_shape(path)
-        cmd = [*probe_command("fla", shape=shape), "--model-type", _target_model_type(path)]
+    if hybrid_target is not None:
+        shape = hybrid_shape(hybrid_target)
+        cmd = [*probe_command("fla", shape=shape), "--model-type", _target_model_type(hybrid_target)]
         wanted["fla"] = (cmd, 300, shape)
-    cache = probe_cache.VerdictCache(probe_cache.cache_path())
     environment = probe_cache.environment_key()
-    keys = {name: probe_cache.probe_key(environment, shape) for name, (_c, _t, shape) in wanted.items()}
-    verdicts: dict[str, str] = {}
-    notes: list[str] = []
-    for name, key in keys.items():
-        found = cache.lookup(name, key) if not ctx.full else probe_cache.Lookup(None, "--full")
+    plan = ProbePlan(
+        commands={name: (cmd, timeout) for name, (cmd, timeout, _shape) in wanted.items()},
+        keys={name: probe_cache.probe_key(environment, shape) for name, (_c, _t, shape) in wanted.items()},
+        cache=probe_cache.VerdictCache(probe_cache.cache_path()),
+    )
+    for name, key in plan.keys.items():
+        found = plan.cache.lookup(name, key) if not full else probe_cache.Lookup(None, "--full")
         if found.verdict is not None:
-            verdicts[name] = found.verdict
-            notes.append(f"{name} verdict {found.why}")
+            plan.verdicts[name] = found.verdict
+            plan.notes.append(f"{name} verdict {found.why}")
         else:
-            notes.append(f"{name} probed ({found.why})")
+            plan.notes.append(f"{name} probed ({found.why})")
+    return plan
+
+
+def run_probes(plan: ProbePlan) -> str:
+    """Runs the plan's missing probes at once and keeps each passed verdict; returns the check's line, or
+    raises Failed naming the probe that failed and its fix."""
     start = time.perf_counter()
-    results = _run_probes({n: (c, t) for n, (c, t, _s) in wanted.items() if n not in verdicts})
+    results = _run_probes({name: plan.commands[name] for name in plan.missing})
     for name, result in results.items():
         if isinstance(result, RuntimeError):
             what = (
@@ -639,13 +661,31 @@ def check_triton(ctx: Context) -> str:
                 else "the FLA kernels on the target's Gated DeltaNet shape failed"
             )
             raise Failed(f"{what}: {result}", probe_fix(str(result)))
-        verdicts[name] = result
-        problem = cache.store(name, keys[name], result)
+        plan.verdicts[name] = result
+        problem = plan.cache.store(name, plan.keys[name], result)
         if problem:
-            notes.append(problem)
+            plan.notes.append(problem)
     ran = f"probes ran in {time.perf_counter() - start:.1f} s" if results else "no probe ran"
-    ctx.facts["probe_cache_hit"] = not results
-    return f"{'; '.join(verdicts[n] for n in wanted)} [{ran}: {'; '.join(notes)}]"
+    return f"{'; '.join(plan.verdicts[n] for n in plan.commands)} [{ran}: {'; '.join(plan.notes)}]"
+
+
+def check_triton(ctx: Context) -> str:
+    """The GPU probes (service.gpu_probe): a Triton kernel, and a hybrid target's FLA kernels on its shape.
+    A verdict kept from an earlier passed probe with an equal key is reused (service.probe_cache); --full
+    always probes. With --defer-probes (the unit's) a probe without a kept verdict is left to the ranks, which
+    run it beside their start (service.probes_beside)."""
+    if ctx.facts.get("device") != "cuda":
+        raise Skipped("no GPU: Triton kernels run on the GPU machine")
+    hybrid = ctx.need_cfg().model.target_path if ctx.facts.get("hybrid") else None
+    plan = plan_probes(hybrid, full=ctx.full)
+    ctx.facts["probe_cache_hit"] = not plan.missing
+    if plan.missing and ctx.defer_probes:
+        kept = "".join(f"{plan.verdicts[n]}; " for n in plan.commands if n in plan.verdicts)
+        return (
+            f"{kept}{' and '.join(plan.missing)} deferred to the ranks: probed beside their start, before "
+            f"their first kernel launch [{'; '.join(plan.notes)}]"
+        )
+    return run_probes(plan)
 
 
 def check_trackers(ctx: Context) -> str:
@@ -711,7 +751,7 @@ def check_caches(ctx: Context) -> str:
     """The compile caches this start reads (the unit's CacheDirectory=, service.compile_caches): a warm start
     compiles little, a cold one compiles every kernel in its first step. Said before the probes add to them.
     """
-    from dflash_trainer.service import compile_caches, probe_cache
+    from dflash_trainer.service import compile_caches
 
     cfg = ctx.need_cfg()
     compiles = ctx.facts.get("device") == "cuda" or cfg.train.compile
@@ -770,9 +810,14 @@ PROBES = frozenset({"triton"})
 
 
 def run_checks(
-    config_path: Path, *, nproc: int | None = None, full: bool = False, nnodes: int = 1
+    config_path: Path,
+    *,
+    nproc: int | None = None,
+    full: bool = False,
+    nnodes: int = 1,
+    defer_probes: bool = False,
 ) -> list[Check]:
-    ctx = Context(Path(config_path), nproc, full=full, nnodes=nnodes)
+    ctx = Context(Path(config_path), nproc, full=full, nnodes=nnodes, defer_probes=defer_probes)
     results: list[Check] = []
     for name, fn in CHECKS:
         failed = [c.name for c in results if not c.ok]
@@ -824,9 +869,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="hash the model and the shards (sha256) against their manifests, not only compare sizes",
     )
+    parser.add_argument(
+        "--defer-probes",
+        action="store_true",
+        help="the unit's: leave a GPU probe without a kept verdict to the ranks, which run it beside their "
+        "start and stop before their first kernel launch if it fails (service/probes_beside.py)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    checks = run_checks(args.config, nproc=args.nproc, full=args.full, nnodes=args.nnodes)
+    checks = run_checks(
+        args.config, nproc=args.nproc, full=args.full, nnodes=args.nnodes, defer_probes=args.defer_probes
+    )
     elapsed = time.perf_counter() - start
     ok = all(c.ok for c in checks)
     if args.json:

@@ -443,7 +443,7 @@ def run_unit_start(
     the rest is phase 1's again, and its save would write a checkpoint. Its log: OUT/NAME.log."""
     start = time.time()
     pre = subprocess.run(
-        [*CLI, "preflight", "--nproc", str(world), str(config)],
+        [*CLI, "preflight", "--defer-probes", "--nproc", str(world), str(config)],  # as the unit runs it
         env=profiled_env(env, name), check=False, capture_output=True, text=True,
     )  # fmt: skip
     figures: dict = {"preflight_s": round(time.time() - start, 2), "preflight_exit": pre.returncode}

@@ -31,6 +31,7 @@ from dflash_trainer.logs import rank, setup_logging
 from dflash_trainer.service import autotune_compile, compile_caches
 from dflash_trainer.service.notify import Heartbeat, Notifier
 from dflash_trainer.service.pause import PauseAt
+from dflash_trainer.service.probes_beside import ProbesBeside
 from dflash_trainer.service.process import die_with_launcher, process_started
 
 log = logging.getLogger("dflash_trainer.service")
@@ -54,6 +55,7 @@ class ServiceHooks:
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, figures) of the last evaluation
         self._relayed: int | None = None
         self.profile: stack_sampler.StackSampler | None = None  # $DFLASH_PROFILE_START: start to first step
+        self.probes: ProbesBeside | None = None  # the GPU probes preflight left to this start
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -78,6 +80,8 @@ class ServiceHooks:
         if not self.ready:  # the loop has no ready hook: the first finished step proves everything loaded
             self.on_ready()
         if self.first_step_at is None:
+            if self.probes is not None:  # a rank that launched no FLA kernel has not waited for them yet
+                self.probes.wait("the first step's end")
             self.first_step_at, self.first_step = time.time(), m.step
             autotune_kept = os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"
             line = compile_caches.report(self.caches_at_ready, compile_caches.snapshot(), autotune_kept)
@@ -244,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     from dflash_trainer.config import ConfigError, load_config
+    from dflash_trainer.service import preflight, probes_beside
 
     try:
         cfg = load_config(args.config)  # once per rank; the run gets the object
@@ -255,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         log.error("configuration: %s", e)
         return 1
+    try:  # before the model's imports: the probes run beside them and the compile (probes_beside)
+        probes = probes_beside.start(cfg, preflight.device_kind(cfg))
+    except preflight.Failed as e:
+        log.error("%s", preflight.format_line(preflight.Check("triton", False, e.detail, e.fix)))
+        return 1
     if not pipeline and (cfg.topology.ranks or 1) > 1:
         log.info(
             "[topology] names %d ranks, 1 was launched: target and drafter in this one process (the 1:1 "
@@ -265,14 +275,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     # waits on every other rank each step (receives, DDP): a hang anywhere stops its WATCHDOG=1.
     notifier = voice[0] = Notifier() if node_speaker(speaker) else Notifier({})
 
+    from dflash_trainer.model import kernels
     from dflash_trainer.service.trackers import start_trackers
     from dflash_trainer.train.loop import train
+
+    if probes is not None:
+        kernels.hold_first_launch(lambda: probes.wait("the first FLA kernel launch"))
 
     startup.record("interpreter, imports, configuration", time.time() - process_started())
     with startup.phase("trackers"):
         trackers = start_trackers(cfg) if rank() == speaker else []
     hooks = ServiceHooks(cfg, notifier, trackers)
     hooks.profile = profile
+    hooks.probes = probes
     hooks_box.append(hooks)
     pause = PauseAt(hooks, args.pause_at, notifier, stop) if args.pause_at is not None else None
     notifier.status("loading target, drafter, data and the newest checkpoint")
@@ -305,7 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         notifier.stopping(status=f"{how} at step {step}")
     except Exception as e:
         faulthandler.cancel_dump_traceback_later()
-        if getattr(e, "__dflash_reported__", False):
+        probe = probes.after_failure() if probes is not None else None
+        if probe is not None:  # the cause, however the rank's own failure (compile, launch) put it
+            log.critical("training failed: a GPU probe beside the start failed: %s", probe)
+            if not isinstance(e, probes_beside.ProbeFailed):
+                own = (str(e).strip().splitlines() or [""])[-1]
+                log.critical("the rank's own error: %s: %s", type(e).__name__, own)
+        elif getattr(e, "__dflash_reported__", False):
             pass  # a pipeline rank's failure, logged once already (distributed/failure.py)
         elif isinstance(e, CheckpointError):  # names the checkpoint, its directory and the cause
             log.critical("training failed: %s", e)
