@@ -45,6 +45,8 @@ class ProbesBeside:
         self.done = threading.Event()
         self.failure: preflight.Failed | None = None
         self.line = ""
+        self.took_s = 0.0  # from their start to their verdict
+        self.waited_s = 0.0  # this rank's wait for it
         self._reported = False
         thread = threading.Thread(
             target=self._probe if runs else self._await, name="probes-beside", daemon=True
@@ -59,7 +61,11 @@ class ProbesBeside:
         except Exception as e:  # the runner itself broke: still a verdict, never a hang
             self.failure = preflight.Failed(f"{type(e).__name__}: {e}", "report this probe crash")
         finally:
-            self.done.set()
+            self._finish()
+
+    def _finish(self) -> None:
+        self.took_s = time.monotonic() - self.started
+        self.done.set()
 
     def _await(self) -> None:
         path = self.plan.cache.path
@@ -77,7 +83,7 @@ class ProbesBeside:
                 )
                 break
             time.sleep(POLL_S)
-        self.done.set()
+        self._finish()
 
     def wait(self, before: str) -> None:
         """Returns once every probe passed (said once, with its time); raises ProbeFailed otherwise."""
@@ -86,12 +92,17 @@ class ProbesBeside:
                 "%s waits for the GPU probes beside the start (%s, running for %.1f s)",
                 before, " and ".join(self.plan.missing), time.monotonic() - self.started,
             )  # fmt: skip
-        self.done.wait()
+            waiting = time.monotonic()
+            self.done.wait()
+            self.waited_s += time.monotonic() - waiting
         if self.failure is not None:
             raise ProbeFailed(preflight.format_line(self._check()))
         if not self._reported:
             self._reported = True
-            log.info("GPU probes beside the start passed: %s", self.line)
+            log.info(
+                "GPU probes beside the start passed in %.1f s (this rank waited %.1f s for them): %s",
+                self.took_s, self.waited_s, self.line,
+            )  # fmt: skip
 
     def after_failure(self, wait_s: float = 30.0) -> str | None:
         """A failed probe's line, for a rank that failed (waits up to `wait_s` for one still running)."""

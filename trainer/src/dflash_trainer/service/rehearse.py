@@ -33,6 +33,8 @@ from dflash_trainer.service.pause import PAUSED
 
 REPO_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "reference.toml"
 CLI = [sys.executable, "-m", "dflash_trainer.service"]
+# The preflight of a trainer source tree (--unit-start-before): whether its unit deferred the GPU probes.
+PREFLIGHT_SOURCE = Path("dflash_trainer") / "service" / "preflight.py"
 MAIN_CLI = [sys.executable, "-m", "dflash_trainer.cli"]
 
 
@@ -436,14 +438,16 @@ def run_unit_start(
     world: int,
     timeout: float,
     name: str = "unit-start",
+    defer_probes: bool = True,
 ) -> dict:
     """The unit's first start after `make smoke-train` on a new CT: preflight, then `launch -- serve` of the
     real configuration (no checkpoint yet) to its first step, with the caches `env` names (the smoke run's,
     or empty ones: a new CT's first start without a smoke run). Killed at the pause after step 1 (SIGKILL):
     the rest is phase 1's again, and its save would write a checkpoint. Its log: OUT/NAME.log."""
     start = time.time()
+    deferred = ["--defer-probes"] if defer_probes else []  # as the unit runs it
     pre = subprocess.run(
-        [*CLI, "preflight", "--defer-probes", "--nproc", str(world), str(config)],  # as the unit runs it
+        [*CLI, "preflight", *deferred, "--nproc", str(world), str(config)],
         env=profiled_env(env, name), check=False, capture_output=True, text=True,
     )  # fmt: skip
     figures: dict = {"preflight_s": round(time.time() - start, 2), "preflight_exit": pre.returncode}
@@ -460,6 +464,10 @@ def run_unit_start(
         "to_first_step_s": None if first_step_s is None else round(figures["preflight_s"] + first_step_s, 2),
         "caches_line": next((line for line in text.splitlines() if "compile caches after" in line), None),
         "caches_preflight": next((line for line in pre.stdout.splitlines() if " caches: " in line), None),
+        # The probes preflight deferred: how long the rank waited for them, and their verdict.
+        "probes_beside": [
+            line for line in text.splitlines() if "gpu probes beside the start" in line.lower()
+        ],
         "ok": first_step_s is not None,
     }
     return figures
@@ -487,8 +495,17 @@ def run_unit_starts(
         if source is not None:  # its trainer ahead of this one on the path
             run_env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
         key = name.replace("-", "_")
+        # As the unit of each trainer's time ran preflight: a trainer before --defer-probes probed in it.
+        defer = source is None or "--defer-probes" in (source / PREFLIGHT_SOURCE).read_text()
         figures[key] = run_unit_start(
-            config, out, run_env, notify, world=world, timeout=args.phase_timeout, name=name
+            config,
+            out,
+            run_env,
+            notify,
+            world=world,
+            timeout=args.phase_timeout,
+            name=name,
+            defer_probes=defer,
         )
         say(f"{name}: {figures[key]}")
         ok = ok and figures[key]["ok"]
