@@ -12,6 +12,7 @@ Exit 0 with `ok: ...` as the last line, or exit 1 with `error: TYPE: MESSAGE` (t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dflash_trainer import stack_sampler
+from dflash_trainer.service.process import die_with_parent
 
 
 @triton.jit
@@ -120,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-type", default="", help="the target's model_type: probe only the q/k head form it runs"
     )
     args = parser.parse_args(argv)
+    # A rank that runs the probes beside its start (service.probes_beside) may exit before they finish.
+    die_with_parent(os.getppid())
     profile = stack_sampler.from_environment(f"probe {args.probe}: imports")
     try:
         if args.define_only:
