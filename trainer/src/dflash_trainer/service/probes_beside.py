@@ -33,12 +33,16 @@ class ProbeFailed(RuntimeError):
     """A probe beside the start failed: the message is preflight's line for it, fix included."""
 
 
+def failure_line(failed: preflight.Failed) -> str:
+    """A probe's failure as preflight prints it: `FAIL triton: DETAIL -- fix: FIX`."""
+    return preflight.format_line(preflight.Check("triton", False, failed.detail, failed.fix))
+
+
 class ProbesBeside:
     """The plan's missing probes, run on a thread of this rank (`runs`) or awaited in the verdict file."""
 
     def __init__(self, plan: preflight.ProbePlan, *, runs: bool, timeout_s: float | None = None) -> None:
         self.plan = plan
-        self.runs = runs
         # The probes run at once, each under its own timeout; a waiting rank allows the longest and a margin.
         self.timeout_s = timeout_s or max(t for _cmd, t in plan.commands.values()) + 60
         self.started = time.monotonic()
@@ -96,7 +100,7 @@ class ProbesBeside:
             self.done.wait()
             self.waited_s += time.monotonic() - waiting
         if self.failure is not None:
-            raise ProbeFailed(preflight.format_line(self._check()))
+            raise ProbeFailed(failure_line(self.failure))
         if not self._reported:
             self._reported = True
             log.info(
@@ -107,11 +111,7 @@ class ProbesBeside:
     def after_failure(self, wait_s: float = 30.0) -> str | None:
         """A failed probe's line, for a rank that failed (waits up to `wait_s` for one still running)."""
         self.done.wait(wait_s)
-        return preflight.format_line(self._check()) if self.failure is not None else None
-
-    def _check(self) -> preflight.Check:
-        assert self.failure is not None
-        return preflight.Check("triton", False, self.failure.detail, self.failure.fix)
+        return failure_line(self.failure) if self.failure is not None else None
 
 
 def start(cfg, device: str) -> ProbesBeside | None:

@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # before the model's imports: the probes run beside them and the compile (probes_beside)
         probes = probes_beside.start(cfg, preflight.device_kind(cfg))
     except preflight.Failed as e:
-        log.error("%s", preflight.format_line(preflight.Check("triton", False, e.detail, e.fix)))
+        log.error("%s", probes_beside.failure_line(e))
         return 1
     if not pipeline and (cfg.topology.ranks or 1) > 1:
         log.info(
