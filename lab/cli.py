@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import containers, image, seed, services
+from lab import containers, image, seed, services, shared_storage
 from lab.errors import LabError
 from lab.progress import heartbeat, say
 from lab.settings import REPO, LabSettings, load_settings
@@ -39,7 +39,8 @@ def _ensure_one_container(settings: LabSettings, spec) -> bool:
 def up(settings: LabSettings) -> bool:
     """Builds what is missing. The slow parts of a first build run side by side (the CT image build waits on
     the network and dpkg more than on the CPU): each container, and the seeding of the bucket's data."""
-    changed = False
+    changed = shared_storage.ensure(settings)  # before the containers that bind it start
+    say(f"lab: {'shared storage':<20} {'mounted' if changed else 'ok'} ({settings.shared_storage_dir})")
     with concurrent.futures.ThreadPoolExecutor(len(settings.containers) + 1) as pool:
         seeding = pool.submit(seed.ensure_seed_files, settings)
         builds = [pool.submit(_ensure_one_container, settings, spec) for spec in settings.containers]
@@ -77,6 +78,8 @@ def down(settings: LabSettings, others: Sequence[LabSettings] = ()) -> None:
     for daemon in services.daemons(settings):
         stopped = services.stop_daemon(settings, daemon)
         print(f"lab: {daemon.name:<20} {'stopped' if stopped else 'not running'}")
+    unmounted = shared_storage.stop(settings)
+    print(f"lab: {'shared storage':<20} {'unmounted' if unmounted else 'not mounted'}")
     shutil.rmtree(settings.lab_dir, ignore_errors=True)
     print(f"lab: removed {settings.lab_dir}")
     for path in LEGACY_FILES:  # what older versions of `make smoke-train` left outside lab_dir
@@ -147,6 +150,10 @@ def status(settings: LabSettings) -> bool:
         pid = services.our_pid(settings, daemon)
         where = f"{daemon.url}, PID {pid}" if pid else f"{daemon.url}, no process of the lab"
         rows.append((daemon.name, services.answering(daemon), where))
+    storage = settings.shared_storage_dir
+    fstype = shared_storage.mounted_fstype(storage)
+    served = shared_storage.answering(storage)
+    rows.append(("shared storage", served, f"{storage} ({fstype or 'not mounted'})"))
     s3_up = any(d.name == "s3" and services.answering(d) for d in daemons)
     listing = seed.bucket_listing(settings) if s3_up else []
     shards = [key for key in listing if key.startswith(seed.SHARDS_PREFIX) and key.endswith(".arrow")]

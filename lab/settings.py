@@ -43,8 +43,9 @@ class LabSettings:
 
     @property
     def shared_storage_dir(self) -> Path:
-        """The lab's stand-in for an NFS export: one directory of this machine, mounted on the host's stand-in
-        at lab_shared_storage_host_path as PVE mounts a shared storage at /mnt/pve/NAME."""
+        """The lab's NFS export as mounted on this machine (lab/shared_storage.py: a FUSE mount with NFS's
+        permission rules), bound on the host's stand-in at lab_shared_storage_host_path as PVE mounts a shared
+        storage at /mnt/pve/NAME."""
         return shared_storage_dir(self.lab_dir)
 
     @property

@@ -25,8 +25,9 @@ COLLECTIONS="$ROOT/ansible/requirements.yml"
 
 # lxc + python3-lxc: the lab's containers and Ansible's community.general.lxc connection.
 # mmdebstrap + keyring: root filesystems for the lab and the CT image. dkms + build tools: the L1 driver build.
+# libfuse3-3: the lab's NFS stand-in for shared storage (lab/nfs_standin.py, through mfusepy).
 APT_PACKAGES=(lxc python3-lxc mmdebstrap debian-archive-keyring uidmap rsync iproute2 procps
-              psmisc python3-venv build-essential dkms zstd)
+              psmisc python3-venv build-essential dkms zstd libfuse3-3)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
 beat() {  # beat WHAT CMD...: runs CMD; while it runs, a line every 10 s says so (a fresh machine: minutes)
