@@ -123,7 +123,7 @@ class NfsExport:
 
     # --- the credential and the checks ---------------------------------------------------------------------
     def caller(self) -> Caller:
-        import mfusepy
+        import mfusepy  # type: ignore[import-untyped]  # loads libfuse: imported where it is used
 
         uid, gid, pid = mfusepy.fuse_get_context()
         return caller_on_server(uid, gid, groups_of(pid), self.root_squash)

@@ -13,7 +13,6 @@ Upstream behaviour the stand-in imitates, and these tests rely on:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.l2_container.conftest import BIN, REPO, Run, ansible_playbook
+from tests.l2_container.conftest import REPO, Run, ansible_playbook
 
 NODES = ("pve1", "pve2")
 
@@ -240,78 +239,3 @@ def test_shared_storage_is_handed_to_the_unprivileged_cts_root(pve, play2, open_
     assert after.returncode == 0, after.stderr
     again = play2(cts, ct_unprivileged=True, ct_features=[], ct_mount_points=mounts)
     assert again.rc == 0 and changed(again)["ct-a"] == 0, again.error()
-
-
-JOB_PREFLIGHT = """
-- name: the training_job preflight of one CT
-  hosts: ct-a
-  connection: local
-  gather_facts: false
-  vars:
-    ansible_python_interpreter: "{{ ansible_playbook_python }}"
-  tasks:
-    - name: preflight
-      ansible.builtin.include_role:
-        name: training_job
-        tasks_from: preflight.yml
-"""
-
-
-def job_preflight(tmp_path: Path, checkpoint_dir: Path, read_only: Path | None = None) -> Run:
-    """roles/training_job's preflight on this machine as the CT (root, loopback as the job's interface), with
-    read_only bind-mounted read-only in a private mount namespace (`unshare -m`) for the run."""
-    fstype = subprocess.run(
-        ["findmnt", "--noheadings", "--output", "FSTYPE", "--target", str(checkpoint_dir.parent)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    job = {
-        "training_job_socket_ifname": "lo",
-        "training_job_rdma_devices": [],
-        "training_job_checkpoint_dir": str(checkpoint_dir),
-        "training_job_shared_fstypes": [fstype],
-    }
-    ct = {"ct-a": {"training_job_address": "10.30.0.21"}, "ct-b": {"training_job_address": "10.30.0.22"}}
-    inventory = tmp_path / "job-inventory.json"
-    inventory.write_text(json.dumps({"training_job": {"vars": job, "hosts": ct}}))
-    playbook = tmp_path / "job-preflight.yml"
-    playbook.write_text(JOB_PREFLIGHT)
-    argv = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(playbook)]
-    if read_only is not None:
-        remount = f"mount --bind {read_only} {read_only} && mount -o remount,ro,bind {read_only}"
-        argv = [
-            "unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            f'{remount} && exec "$0" "$@"',
-            *argv,
-        ]
-    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_NOCOLOR": "1"}
-    env["ANSIBLE_CONFIG"] = str(REPO / "ansible" / "ansible.cfg")
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
-    return Run(proc.returncode, proc.stdout + proc.stderr)
-
-
-def test_the_jobs_preflight_writes_a_probe_where_the_checkpoints_go(tmp_path: Path, open_dir: Path) -> None:
-    """At provision time (L5), before the trainer's own preflight: the CT's root creates and removes a file
-    in the checkpoint directory (its parent before the first run); a read-only one is refused in one line."""
-    shared = open_dir / "dflash-shared"
-    shared.mkdir()
-    ok = job_preflight(tmp_path, shared / "checkpoints")
-    assert ok.rc == 0, ok.error()
-    assert list(shared.iterdir()) == [], "the probe file stayed"
-    refused = job_preflight(tmp_path, shared / "checkpoints", read_only=shared)
-    assert refused.rc != 0
-    error = refused.error()
-    assert (
-        f"training_job_checkpoint_dir {shared / 'checkpoints'}: cannot create a file in {shared}" in error
-    ), error
-    assert (
-        "Read-only file system" in error
-        and "owner uid 0" in error
-        and "ct_uid: 0 in ct_mount_points" in error
-    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -28,9 +29,12 @@ OPS = REPO / ".venv" / "bin"
 
 
 def sh(
-    cmd: str, *, check: bool = True, timeout: float = 120, ct: str = CT
+    cmd: str, *, check: bool = True, timeout: float = 120, ct: str = CT, user: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """A shell command inside the container (CT, or another lab container)."""
+    """A shell command inside the container (CT, or another lab container), as root or as user (on shared
+    storage the trainer's user: NFS knows the CT's root as a plain user)."""
+    if user is not None:
+        cmd = f"runuser -u {user} -- /bin/sh -c {shlex.quote(cmd)}"
     proc = subprocess.run(
         ["lxc-attach", "-n", ct, "--", "/bin/sh", "-c", cmd],
         capture_output=True,
@@ -204,7 +208,10 @@ def cursor(ct: str = CT) -> str:
     return out
 
 
-def checkpoints(directory: str = f"{DATA}/train/checkpoints", ct: str = CT) -> list[int]:
-    """The steps of the complete checkpoints in `directory` (in CT, or another lab container)."""
-    out = sh(f"ls {directory} 2>/dev/null || true", ct=ct).stdout.split()
+def checkpoints(
+    directory: str = f"{DATA}/train/checkpoints", ct: str = CT, user: str | None = None
+) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (in CT, or another lab container), listed as
+    root or as user."""
+    out = sh(f"ls {directory} 2>/dev/null || true", ct=ct, user=user).stdout.split()
     return sorted(int(n.split("-")[1]) for n in out if n.startswith("step-"))

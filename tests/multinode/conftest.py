@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.l5_service import lab
 
 CTS = ("lab-ct201", "lab-ct202")
 SHARED = "/mnt/dflash-shared"
 CHECKPOINTS = f"{SHARED}/checkpoints"
+# The trainer's user: the shared storage is an NFS export (the lab's stand-in, lab/nfs_standin.py), where the
+# CT's root is a plain user who may neither read nor write the trainer's files.
+TRAINER = yaml.safe_load((Path(lab.REPO) / "roles/trainer_service/defaults/main.yml").read_text())[
+    "trainer_service_user"
+]
 
 
 def stop_both() -> None:
@@ -40,6 +47,6 @@ def cts():
 def job(cts):
     """Both units stopped, the job's shared checkpoint directory empty."""
     stop_both()
-    lab.sh(f"rm -rf {CHECKPOINTS}/* {CHECKPOINTS}/.tmp-*", ct=cts[0])
+    lab.sh(f"rm -rf {CHECKPOINTS}/* {CHECKPOINTS}/.tmp-*", ct=cts[0], user=TRAINER)
     yield cts
     stop_both()

@@ -11,7 +11,7 @@ import re
 import time
 
 from tests.l5_service import lab
-from tests.multinode.conftest import CHECKPOINTS, SHARED
+from tests.multinode.conftest import CHECKPOINTS, SHARED, TRAINER
 
 START_S = 300  # both units' preflight, imports and load on a contended 2-core machine
 
@@ -45,16 +45,25 @@ def start_both(cts) -> None:
 
 
 def checkpoints(ct: str) -> list[int]:
-    return lab.checkpoints(CHECKPOINTS, ct=ct)
+    return lab.checkpoints(CHECKPOINTS, ct=ct, user=TRAINER)
 
 
 def test_the_shared_storage_is_one_directory_in_both_cts(cts) -> None:
     a, b = cts
-    lab.sh(f"echo from-{a} > {SHARED}/probe-{a}", ct=a)
+    lab.sh(f"echo from-{a} > {SHARED}/probe-{a}", ct=a, user=TRAINER)
     try:
-        assert lab.sh(f"cat {SHARED}/probe-{a}", ct=b).stdout.strip() == f"from-{a}"
+        assert lab.sh(f"cat {SHARED}/probe-{a}", ct=b, user=TRAINER).stdout.strip() == f"from-{a}"
     finally:
-        lab.sh(f"rm -f {SHARED}/probe-{a}", ct=a)
+        lab.sh(f"rm -f {SHARED}/probe-{a}", ct=a, user=TRAINER)
+
+
+def test_the_cts_root_is_a_plain_user_on_the_shared_storage(cts) -> None:
+    """As on NFS (lab/nfs_standin.py): the CT's root (host uid 100000) may not write in the trainer's
+    directory nor give a file away, whatever its capabilities in the CT."""
+    refused = lab.sh(f"touch {SHARED}/root-probe", ct=cts[0], check=False)
+    assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused.stderr
+    refused = lab.sh(f"chown root {SHARED}", ct=cts[0], check=False)
+    assert refused.returncode != 0 and "Operation not permitted" in refused.stderr, refused.stderr
 
 
 def test_two_cts_ready_stop_resume_and_a_node_killed(job) -> None:

@@ -167,8 +167,17 @@ def test_mount_points_are_in_the_pve_config_and_mounted(host, hostvars: dict[str
         assert binds, (
             f"CT {hostvars['ct_vmid']} has no mpN {mp['host_path']},mp={mp['path']} (it has {entries})"
         )
-        assert host.mount_point(mp["path"]).exists, f"{mp['path']} is not a mount point in the CT"
-        ro = host.run(f"test -w {mp['path']}").rc != 0
+        mount = host.mount_point(mp["path"])
+        assert mount.exists, f"{mp['path']} is not a mount point in the CT"
+        # From the mount's options, not `test -w` as root: on NFS the CT's root is a plain user (host uid
+        # 100000) who may not write in the trainer's directory (docs/multi-host.md).
+        ro = "ro" in mount.options
         assert ro == bool(mp.get("read_only")), (
-            f"{mp['path']} is {'read-only' if ro else 'writable'} in the CT"
+            f"{mp['path']} is mounted {'ro' if ro else 'rw'} in the CT ({','.join(mount.options)})"
         )
+        if "ct_uid" in mp:
+            owner = host.file(mp["path"]).uid
+            assert owner == int(mp["ct_uid"]), (
+                f"{mp['path']} belongs to uid {owner} in the CT, not its ct_uid {mp['ct_uid']} (L2 chowns "
+                "the host side; make provision TAGS=l2)"
+            )
