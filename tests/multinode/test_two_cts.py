@@ -171,3 +171,24 @@ def test_a_node_rebooted_stops_the_job_with_a_checkpoint_and_it_resumes_when_bac
     lab.wait_for(lambda: any(resumed in lab.journal(cursors[ct], ct=ct) for ct in cts), 60, "the resume line")
     print(f"{rebooted} back: the job resumed at step {saved}, the checkpoint of its shutdown")
     stop_from_leader(cts)
+
+
+def test_the_alerts_watch_reads_the_shared_checkpoints(cts) -> None:
+    """dflash-alert-watch (roles/trainer_alerts, root in the CT) reads the job's checkpoint directory for its
+    checkpoint metrics. On NFS the CT's root is a plain user: it reads as a member of the trainer's group, so
+    the trainer's checkpoints (written with its unit's UMask) must be readable by that group."""
+    ct = cts[0]
+    step = f"{CHECKPOINTS}/step-00000007"
+    umask = lab.show("UMask", ct=ct)
+    props = f"-p User={TRAINER} -p UMask={umask}"
+    lab.sh(f"systemd-run --quiet --wait {props} /bin/sh -c 'mkdir {step} && echo x > {step}/model.pt'", ct=ct)
+    prom = "/var/lib/prometheus/node-exporter/dflash_train.prom"
+
+    def checkpoint_step() -> str | None:
+        out = lab.sh(f"grep '^dflash_train_checkpoint_step{{' {prom}", ct=ct, check=False).stdout.split()
+        return out[-1] if out else None
+
+    try:
+        lab.wait_for(lambda: checkpoint_step() == "7", 60, f"checkpoint step 7 in {prom}")
+    finally:
+        lab.sh(f"rm -rf {step}", ct=ct, user=TRAINER)

@@ -107,7 +107,7 @@ def test_unit_runs_the_trainer_without_privileges(host):
     )
     assert p["User"] == DEFAULTS["trainer_service_user"] and p["User"] != "root"
     assert p["NoNewPrivileges"] == "yes" and p["CapabilityBoundingSet"] == ""
-    assert p["ProtectSystem"] == "strict" and p["PrivateTmp"] == "yes" and p["UMask"] == "0077"
+    assert p["ProtectSystem"] == "strict" and p["PrivateTmp"] == "yes" and p["UMask"] == "0027"
     assert p["RestrictSUIDSGID"] == "yes"
     if host.service("dflash-train").is_running:  # on a host that trains: the launcher as the kernel sees it
         pid = host.check_output(f"systemctl show -p MainPID --value {UNIT}")
