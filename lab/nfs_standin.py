@@ -323,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     ops = NfsExport(args.export.resolve(), args.root_squash)
     # allow_other: the CTs' uids are not the mounter's. No default_permissions: the checks are the server's.
     mountpoint = str(args.mountpoint)
-    mfusepy.FUSE(ops, mountpoint, foreground=True, allow_other=True, fsname="labnfs", subtype="labnfs")
+    # hard_remove: an unlink removes at once. Without it libfuse hides a file it still counts open
+    # (.fuse_hidden*), and the kernel's RELEASE of a closed file comes asynchronously, so a directory emptied
+    # right after its files were closed could refuse its rmdir (ENOTEMPTY, seen in the two-CT lab's checkpoint
+    # pruning). An NFS client silly-renames only what it really has open.
+    options = {"allow_other": True, "fsname": "labnfs", "subtype": "labnfs", "hard_remove": True}
+    mfusepy.FUSE(ops, mountpoint, foreground=True, **options)
     return 0
 
 

@@ -178,7 +178,7 @@ def test_the_alerts_watch_reads_the_shared_checkpoints(cts) -> None:
     checkpoint metrics. On NFS the CT's root is a plain user: it reads as a member of the trainer's group, so
     the trainer's checkpoints (written with its unit's UMask) must be readable by that group."""
     ct = cts[0]
-    step = f"{CHECKPOINTS}/step-00000007"
+    step = f"{CHECKPOINTS}/step-90000007"  # newer than any checkpoint an earlier test left
     umask = lab.show("UMask", ct=ct)
     props = f"-p User={TRAINER} -p UMask={umask}"
     lab.sh(f"systemd-run --quiet --wait {props} /bin/sh -c 'mkdir {step} && echo x > {step}/model.pt'", ct=ct)
@@ -189,6 +189,6 @@ def test_the_alerts_watch_reads_the_shared_checkpoints(cts) -> None:
         return out[-1] if out else None
 
     try:
-        lab.wait_for(lambda: checkpoint_step() == "7", 60, f"checkpoint step 7 in {prom}")
+        lab.wait_for(lambda: checkpoint_step() == "90000007", 60, f"checkpoint step 90000007 in {prom}")
     finally:
         lab.sh(f"rm -rf {step}", ct=ct, user=TRAINER)
