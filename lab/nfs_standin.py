@@ -228,27 +228,24 @@ class NfsExport:
             os.chmod(self.real(path), stat.S_IMODE(os.lstat(self.real(path)).st_mode) | stat.S_ISGID)
         return 0
 
-    def rmdir(self, path: str) -> int:
-        caller = self.caller()
+    def removable(self, caller: Caller, path: str) -> None:
         self.looked_up(caller, path)
         if not may_remove(caller, os.lstat(self.real(os.path.dirname(path))), os.lstat(self.real(path))):
             raise _deny()
+
+    def rmdir(self, path: str) -> int:
+        self.removable(self.caller(), path)
         os.rmdir(self.real(path))
         return 0
 
     def unlink(self, path: str) -> int:
-        caller = self.caller()
-        self.looked_up(caller, path)
-        if not may_remove(caller, os.lstat(self.real(os.path.dirname(path))), os.lstat(self.real(path))):
-            raise _deny()
+        self.removable(self.caller(), path)
         os.unlink(self.real(path))
         return 0
 
     def rename(self, old: str, new: str) -> int:
         caller = self.caller()
-        self.looked_up(caller, old)
-        if not may_remove(caller, os.lstat(self.real(os.path.dirname(old))), os.lstat(self.real(old))):
-            raise _deny()
+        self.removable(caller, old)
         target_parent = self.parent_writable(caller, new)
         replaced = os.path.lexists(self.real(new))
         if replaced and not may_remove(caller, target_parent, os.lstat(self.real(new))):

@@ -131,3 +131,15 @@ def test_a_group_member_writes_through_the_group_bits(nfs: Path) -> None:
 def test_root_squash_refuses_host_roots_chown(squashed: Path) -> None:
     with pytest.raises(PermissionError):
         os.chown(squashed, DFLASH, DFLASH)
+
+
+def test_a_directory_whose_open_file_was_removed_can_be_removed(nfs: Path) -> None:
+    """Without hard_remove, libfuse hides the open file (.fuse_hidden*) and the rmdir is refused: the pruning
+    of old checkpoints met that in the two-CT lab."""
+    d = nfs / "step"
+    d.mkdir()
+    with open(d / "state.pt", "w") as f:
+        f.write("x")
+        os.unlink(d / "state.pt")
+        d.rmdir()
+    assert not d.exists()
