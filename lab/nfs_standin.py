@@ -133,17 +133,12 @@ class NfsExport:
 
     def looked_up(self, caller: Caller, path: str) -> None:
         """nfsd_lookup: search permission on every directory from the export's root to the entry's parent."""
-        parts = [p for p in path.split("/") if p]
         current = str(self.export)
-        for part in parts[:-1]:
+        for part in (p for p in path.split("/") if p):  # each directory searched: the root, ..., the parent
             st = os.lstat(current)
             if not allowed(caller, st.st_mode, st.st_uid, st.st_gid, SEARCH):
                 raise _deny()
             current = os.path.join(current, part)
-        if parts:
-            st = os.lstat(current)
-            if not allowed(caller, st.st_mode, st.st_uid, st.st_gid, SEARCH):
-                raise _deny()
 
     def check(self, caller: Caller, path: str, want: int) -> os.stat_result:
         self.looked_up(caller, path)
@@ -197,7 +192,10 @@ class NfsExport:
         owner = caller.is_root or caller.uid == st.st_uid
         if not owner and (times is not None or not allowed(caller, st.st_mode, st.st_uid, st.st_gid, WRITE)):
             raise _deny(errno.EPERM if times is not None else errno.EACCES)
-        os.utime(self.real(path), ns=times, follow_symlinks=False) if times else os.utime(self.real(path))
+        if times is None:
+            os.utime(self.real(path))
+        else:
+            os.utime(self.real(path), ns=times, follow_symlinks=False)
         return 0
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:

@@ -161,17 +161,22 @@ def daemons(settings: LabSettings) -> list[Daemon]:
     return [fakepve(settings), s3(settings), webhook(settings), prometheus(settings)]
 
 
-def _pidfile(settings: LabSettings, d: Daemon) -> Path:
-    return settings.run_dir / f"{d.name}.pid"
+def pidfile(settings: LabSettings, name: str) -> Path:
+    return settings.run_dir / f"{name}.pid"
 
 
-def our_pid(settings: LabSettings, d: Daemon) -> int | None:
+def pid_of(settings: LabSettings, name: str, signature: str) -> int | None:
+    """The PID in NAME's pid file while that process runs with signature in its command line."""
     try:
-        pid = int(_pidfile(settings, d).read_text())
+        pid = int(pidfile(settings, name).read_text())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (FileNotFoundError, ValueError, ProcessLookupError):
         return None
-    return pid if any(arg.endswith(d.signature.encode()) for arg in cmdline) else None
+    return pid if any(arg.endswith(signature.encode()) for arg in cmdline) else None
+
+
+def our_pid(settings: LabSettings, d: Daemon) -> int | None:
+    return pid_of(settings, d.name, d.signature)
 
 
 def answering(d: Daemon) -> bool:
@@ -200,7 +205,7 @@ def port_owner(host: str, port: int) -> str | None:
     return "an unknown process"
 
 
-def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -222,34 +227,51 @@ def ensure_daemon(settings: LabSettings, d: Daemon) -> bool:
             f"{d.name}: {d.host}:{d.port} is already taken by {owner}; stop it or set {d.port_key} "
             f"in {settings.inventory}"
         )
+    proc = spawn(settings, d.name, d.argv, d.prepare())
+    came_up = wait_until(lambda: proc.poll() is not None or answering(d), START_TIMEOUT_S)
+    if not came_up or proc.poll() is not None:
+        stop_daemon(settings, d)
+        raise LabError(
+            f"{d.name}: did not come up on {d.url} within {START_TIMEOUT_S} s; {log_tail(settings, d.name)}"
+        )
+    return True
+
+
+def spawn(settings: LabSettings, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Starts NAME in its own session (so its whole group can be ended), logging to lab_dir/log/NAME.log,
+    with its pid file."""
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = settings.log_dir / f"{d.name}.log"
-    with open(log_path, "ab") as log:
+    with open(settings.log_dir / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(
-            d.argv,
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **d.prepare()},
+            env={**os.environ, **env},
             start_new_session=True,
         )
-    _pidfile(settings, d).write_text(f"{proc.pid}\n")
-    if not _wait(lambda: proc.poll() is not None or answering(d), START_TIMEOUT_S) or proc.poll() is not None:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
-        stop_daemon(settings, d)
-        raise LabError(
-            f"{d.name}: did not come up on {d.url} within {START_TIMEOUT_S} s; {log_path}: {tail[0]}"
-        )
+    pidfile(settings, name).write_text(f"{proc.pid}\n")
+    return proc
+
+
+def log_tail(settings: LabSettings, name: str) -> str:
+    """'PATH: its last line', for an error about NAME."""
+    path = settings.log_dir / f"{name}.log"
+    tail = path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+    return f"{path}: {tail[0]}"
+
+
+def end(settings: LabSettings, name: str, pid: int | None) -> bool:
+    """Ends NAME's process group (SIGTERM, SIGKILL after 10 s) and drops its pid file; False when none ran."""
+    pidfile(settings, name).unlink(missing_ok=True)
+    if pid is None:
+        return False
+    os.killpg(pid, signal.SIGTERM)
+    if not wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10):
+        os.killpg(pid, signal.SIGKILL)
     return True
 
 
 def stop_daemon(settings: LabSettings, d: Daemon) -> bool:
-    pid = our_pid(settings, d)
-    _pidfile(settings, d).unlink(missing_ok=True)
-    if pid is None:
-        return False
-    os.killpg(pid, signal.SIGTERM)
-    if not _wait(lambda: not Path(f"/proc/{pid}").exists(), 10):
-        os.killpg(pid, signal.SIGKILL)
-    return True
+    return end(settings, d.name, our_pid(settings, d))

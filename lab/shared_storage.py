@@ -7,27 +7,22 @@ made earlier holds the plain directory underneath, or a dead mount, for the life
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from lab import containers
+from lab import containers, services
 from lab.errors import LabError
 from lab.nfs_standin import FSTYPE
 from lab.settings import REPO, LabSettings
 
 START_TIMEOUT_S = 15
+NAME = "nfs"  # its pid file and log under lab_dir (lab/services.py)
 SIGNATURE = "lab.nfs_standin"
 
 
 def export_dir(settings: LabSettings) -> Path:
     return settings.lab_dir / "shared-storage.export"
-
-
-def _pidfile(settings: LabSettings) -> Path:
-    return settings.run_dir / "nfs.pid"
 
 
 def mounted_fstype(path: Path) -> str | None:
@@ -52,15 +47,6 @@ def answering(path: Path) -> bool:
     return True
 
 
-def our_pid(settings: LabSettings) -> int | None:
-    try:
-        pid = int(_pidfile(settings).read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return None
-    return pid if SIGNATURE.encode() in cmdline else None
-
-
 def _binders(settings: LabSettings) -> list[str]:
     mount = settings.shared_storage_dir
     return [
@@ -74,7 +60,7 @@ def ensure(settings: LabSettings) -> bool:
     """Mounts the export when it is not served; True when it (re)mounted. Running containers that bind it are
     stopped first (`make lab` starts them again, with binds of the new mount)."""
     mount = settings.shared_storage_dir
-    if answering(mount) and our_pid(settings) is not None:
+    if answering(mount) and services.pid_of(settings, NAME, SIGNATURE) is not None:
         return False
     for name in _binders(settings):
         if containers.state(name) == "RUNNING":
@@ -86,26 +72,14 @@ def ensure(settings: LabSettings) -> bool:
         directory.chmod(0o755)  # as a fresh export: host root's, readable by everyone, writable by root only
     if not Path("/dev/fuse").exists():
         raise LabError("shared storage: /dev/fuse is missing (lab/nfs_standin.py, the NFS stand-in, is FUSE)")
-    settings.run_dir.mkdir(parents=True, exist_ok=True)
-    settings.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = settings.log_dir / "nfs.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", SIGNATURE, str(export_dir(settings)), str(mount)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            start_new_session=True,
-        )
-    _pidfile(settings).write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None and not answering(mount):
-        time.sleep(0.2)
+    argv = [sys.executable, "-m", SIGNATURE, str(export_dir(settings)), str(mount)]
+    proc = services.spawn(settings, NAME, argv, {"PYTHONPATH": str(REPO)})
+    services.wait_until(lambda: proc.poll() is not None or answering(mount), START_TIMEOUT_S)
     if not answering(mount):
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
         stop(settings)
-        raise LabError(f"shared storage: {mount} not mounted in {START_TIMEOUT_S} s; {log_path}: {tail[0]}")
+        raise LabError(
+            f"shared storage: {mount} not mounted in {START_TIMEOUT_S} s; {services.log_tail(settings, NAME)}"
+        )
     return True
 
 
@@ -119,13 +93,5 @@ def stop(settings: LabSettings) -> bool:
         subprocess.run(["umount", "--lazy", str(mount)], capture_output=True, check=False)
     else:
         raise LabError(f"shared storage: {mount} is still mounted after umount ({mounted_fstype(mount)})")
-    pid = our_pid(settings)
-    _pidfile(settings).unlink(missing_ok=True)
-    if pid is not None:
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if Path(f"/proc/{pid}").exists():
-            os.killpg(pid, signal.SIGKILL)
-    return was or pid is not None
+    ended = services.end(settings, NAME, services.pid_of(settings, NAME, SIGNATURE))
+    return was or ended
