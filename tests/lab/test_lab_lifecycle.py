@@ -15,7 +15,8 @@ import yaml
 
 from lab.settings import REPO
 
-TWIN = {"host": "labtwin-host", "ct": "labtwin-ct200", "pve": "127.0.0.3", "s3_port": 7490}
+# s3_port: not the webhook receiver's fixed 7490 (lab/webhook_receiver.py), which the twin starts too.
+TWIN = {"host": "labtwin-host", "ct": "labtwin-ct200", "pve": "127.0.0.3", "s3_port": 7495}
 
 
 def lab(inventory: Path, *args: str) -> subprocess.CompletedProcess[str]:
