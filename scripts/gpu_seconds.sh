@@ -10,8 +10,9 @@
 #              (WALK_VARIANTS: bench_walk's --variants, e.g. "graph/recorded graph/recorded+kept")
 #   gputests   every GPU-marked test (scripts/gpu_bench.sh gputests)
 #   preflight  `dflash-train preflight` cold, warm and with a failing cheap check, before and after
-#   autotune   the FLA probe's autotuning cold, Triton's default timing against a brief one (5/25 ms), and the
-#              speed of the kernels each picked (trainer/bench/bench_autotune_timing.py)
+#   autotune   the FLA probe's autotuning cold and the speed of the kernels it picked, per arm TIMING@LENGTH:
+#              Triton's default timing or a brief one (5/25 ms), the probe at LENGTH tokens
+#              (trainer/bench/bench_autotune_timing.py; AUTOTUNE_ARMS, AUTOTUNE_RUNS: its --arms, --runs)
 #   rehearsal  scripts/gpu_rehearsal.sh --steps 30 --stop-at 15 --unit-start: preflight, launch, restart,
 #              evaluation's share, then the unit's first start after that smoke run (the real configuration)
 #              (PREFLIGHT_LAYERS=8 on an 80 GB card: the cut target, its figures labelled as such;
@@ -62,8 +63,10 @@ start)
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
     if want autotune; then
-      echo "=== autotune timing: Triton default against brief, cold, alternating ($(date -u +%T))"
-      timeout 420 python3 trainer/bench/bench_autotune_timing.py --out "$STATE/out/autotune.json" 2>&1 | tail -n 12
+      echo "=== autotune: the probe's picks per arm (${AUTOTUNE_ARMS:-default@256 brief@256}), cold, alternating ($(date -u +%T))"
+      # shellcheck disable=SC2086  # the arms are words
+      timeout 540 python3 trainer/bench/bench_autotune_timing.py --out "$STATE/out/autotune.json" \
+        ${AUTOTUNE_ARMS:+--arms $AUTOTUNE_ARMS} --runs "${AUTOTUNE_RUNS:-2}" 2>&1 | tail -n 16
     fi
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"

@@ -1,18 +1,21 @@
-"""Autotune timing, Triton's defaults against a brief one: the cold seconds and the kernels each one picks.
+"""Autotune timing and length: the cold seconds of the FLA probe and the kernels its autotuning picks.
 
 Each run is a fresh process with an empty Triton cache (TRITON_CACHE_AUTOTUNING=1, as in the unit), which runs
 the FLA probe's kernels (service.gpu_probe.probe_fla, the target's Gated DeltaNet shape) with its candidates
-compiled ahead, as preflight's probe does, then tunes the delta rule once more at a training row's length.
-Each candidate is timed with triton.testing.do_bench's defaults (25 ms warm-up, 100 ms of repetitions) or
-briefly (5 / 25 ms: `brief`). Then, at the defaults, it times the kernels the autotuner picked: the delta rule
-and the causal conv at the probe's length and at the training length. Runs alternate (default, brief,
-default, brief) so a drift of the host shows in both.
+compiled ahead, as preflight's probe does, then calls the delta rule at a training row's length. FLA's
+autotune keys hold the head counts and sizes but not the sequence length, so that call reuses the probe's
+picks: the kernels a rank runs are the ones tuned at the probe's length. An arm is `TIMING@LENGTH`: each
+candidate timed with triton.testing.do_bench's defaults (25 ms warm-up, 100 ms of repetitions: `default`) or
+briefly (5 / 25 ms: `brief`), with the probe run at LENGTH tokens. Then, at the defaults, it times the kernels
+the autotuner picked: the delta rule and the causal conv at the probe's length and at the training length.
+Runs alternate between the arms so a drift of the host shows in each.
 
-The question it answered (one H100, 2026-12-06, docs/benchmarks.md#autotune-timing): the brief timing saves
-about 6 s of a cold probe, and picks kernels that run the delta rule up to 1.6x slower. The trainer keeps
-Triton's defaults.
+Answered so far (docs/benchmarks.md#autotune-timing): the brief timing saves about 6 s of a cold probe and
+picks kernels that run the delta rule up to 1.6x slower (one H100, 2026-12-06); the trainer keeps Triton's
+defaults.
 
-  python3 trainer/bench/bench_autotune_timing.py [--runs 2] [--tokens 256] [--train-tokens 4096] [--out FILE]
+  python3 trainer/bench/bench_autotune_timing.py [--runs 2] [--arms default@256 default@3072]
+      [--train-tokens 3072] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ import time
 from pathlib import Path
 
 SHAPE = {"key_heads": 16, "value_heads": 48, "key_dim": 128, "value_dim": 128, "conv": 4}  # Qwen3.6-27B
+
+
+def parse_arm(text: str) -> tuple[str, int]:
+    """`TIMING@LENGTH` -> (timing, probe length); names the arm at fault."""
+    timing, _, length = text.partition("@")
+    if timing not in ("default", "brief") or not length.isdigit() or int(length) < 64:
+        raise argparse.ArgumentTypeError(
+            f"arm {text!r}: want TIMING@LENGTH, TIMING default or brief, LENGTH >= 64"
+        )
+    return timing, int(length)
 
 
 def child(timing: str, tokens: int, train_tokens: int) -> dict:
@@ -73,12 +86,12 @@ def child(timing: str, tokens: int, train_tokens: int) -> dict:
         torch.cuda.synchronize()
     tuned_s = time.perf_counter() - start
     triton.testing.do_bench = default_bench
-    figures: dict = {"timing": timing, "probe_s": round(probe_s, 2), "tuned_s": round(tuned_s, 2)}
+    figures: dict = {"arm": f"{timing}@{tokens}", "probe_s": round(probe_s, 2), "tuned_s": round(tuned_s, 2)}
     figures |= {"candidates": tally.candidates, "first_call_s": round(tally.first_call_s, 2)}
     figures["timing_s"] = round(tally.timing_s, 2)
-    for t, x in ((tokens, inputs(tokens)), (train_tokens, long)):
-        figures[f"rule_ms_{t}"] = round(triton.testing.do_bench(lambda x=x: rule(*x[:5])), 4)
-        figures[f"conv_ms_{t}"] = round(
+    for where, x in (("probe", inputs(tokens)), ("train", long)):
+        figures[f"rule_ms_{where}"] = round(triton.testing.do_bench(lambda x=x: rule(*x[:5])), 4)
+        figures[f"conv_ms_{where}"] = round(
             triton.testing.do_bench(lambda x=x: fla_causal_conv1d_fn(x[5], x[6], None, activation="silu")), 4
         )
     return figures
@@ -87,20 +100,25 @@ def child(timing: str, tokens: int, train_tokens: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2, help="runs of each timing, alternating")
-    parser.add_argument("--tokens", type=int, default=256, help="the probe's length")
-    parser.add_argument("--train-tokens", type=int, default=4096, help="a training row's length")
+    parser.add_argument(
+        "--arms", nargs="+", type=parse_arm, default=[("default", 256), ("brief", 256)],
+        help="TIMING@LENGTH each: the autotuner's timing (default, brief) and the probe's length in tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-tokens", type=int, default=3072, help="a training row's length (reference.toml)"
+    )
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--child", choices=("default", "brief"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=parse_arm, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.tokens, args.train_tokens)), flush=True)
+        print("RESULT " + json.dumps(child(*args.child, args.train_tokens)), flush=True)
         return 0
     results: list[dict] = []
     for i in range(args.runs):
-        for timing in ("default", "brief"):
+        for timing, tokens in args.arms:
             with tempfile.TemporaryDirectory(prefix="bench-autotune-") as cache:
                 env = os.environ | {"TRITON_CACHE_DIR": cache, "TRITON_CACHE_AUTOTUNING": "1"}
-                cmd = [sys.executable, __file__, "--child", timing, "--tokens", str(args.tokens),
+                cmd = [sys.executable, __file__, "--child", f"{timing}@{tokens}",
                        "--train-tokens", str(args.train_tokens)]  # fmt: skip
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -110,14 +128,14 @@ def main() -> int:
             result = json.loads(line[7:]) | {"run": i + 1}
             print(json.dumps(result), flush=True)
             results.append(result)
-    keys = [k for k in results[0] if k not in ("timing", "run")]
+    keys = [k for k in results[0] if k not in ("arm", "run")]
+    arms = list(dict.fromkeys(r["arm"] for r in results))
     summary = {
-        timing: {k: statistics.median(r[k] for r in results if r["timing"] == timing) for k in keys}
-        for timing in ("default", "brief")
+        arm: {k: statistics.median(r[k] for r in results if r["arm"] == arm) for k in keys} for arm in arms
     }
     print(f"{'median':<14}" + "".join(f"{k:>15}" for k in keys))
-    for timing, row in summary.items():
-        print(f"{timing:<14}" + "".join(f"{row[k]:>15}" for k in keys))
+    for arm, row in summary.items():
+        print(f"{arm:<14}" + "".join(f"{row[k]:>15}" for k in keys))
     if args.out:
         args.out.write_text(json.dumps({"runs": results, "median": summary}, indent=1) + "\n")
     return 0
