@@ -63,7 +63,7 @@ start)
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
     if want autotune; then
-      echo "=== autotune: the probe's picks per arm (${AUTOTUNE_ARMS:-default@256 brief@256}), cold, alternating ($(date -u +%T))"
+      echo "=== autotune: the picks of the probe per arm (${AUTOTUNE_ARMS:-default@256 brief@256}), cold, alternating ($(date -u +%T))"
       # shellcheck disable=SC2086  # the arms are words
       timeout 540 python3 trainer/bench/bench_autotune_timing.py --out "$STATE/out/autotune.json" \
         ${AUTOTUNE_ARMS:+--arms $AUTOTUNE_ARMS} --runs "${AUTOTUNE_RUNS:-2}" 2>&1 | tail -n 16
