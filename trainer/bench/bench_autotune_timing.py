@@ -94,7 +94,24 @@ def child(timing: str, tokens: int, train_tokens: int) -> dict:
         figures[f"conv_ms_{where}"] = round(
             triton.testing.do_bench(lambda x=x: fla_causal_conv1d_fn(x[5], x[6], None, activation="silu")), 4
         )
+    # A kernel with nothing to tune, timed alike: when it drifts too, the machine drifted, not the picks.
+    a = torch.randn(4096, 4096, device=dev, dtype=bf16)
+    figures["matmul_ms"] = round(triton.testing.do_bench(lambda: a @ a), 4)
+    figures["picks"] = picked_configs()
     return figures
+
+
+def picked_configs() -> dict[str, list[str]]:
+    """Each FLA autotuner's picks in this process (its key -> config), to tell runs that picked apart."""
+    from triton.runtime.autotuner import Autotuner
+
+    picks: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fla.") and module is not None:
+            for attr, obj in vars(module).items():
+                if isinstance(obj, Autotuner) and obj.cache:
+                    picks[f"{name}.{attr}"] = sorted(f"{k}: {c}" for k, c in obj.cache.items())
+    return picks
 
 
 def main() -> int:
@@ -126,9 +143,9 @@ def main() -> int:
                 print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
                 return 1
             result = json.loads(line[7:]) | {"run": i + 1}
-            print(json.dumps(result), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "picks"}), flush=True)
             results.append(result)
-    keys = [k for k in results[0] if k not in ("arm", "run")]
+    keys = [k for k in results[0] if k not in ("arm", "run", "picks")]
     arms = list(dict.fromkeys(r["arm"] for r in results))
     summary = {
         arm: {k: statistics.median(r[k] for r in results if r["arm"] == arm) for k in keys} for arm in arms
@@ -136,6 +153,12 @@ def main() -> int:
     print(f"{'median':<14}" + "".join(f"{k:>15}" for k in keys))
     for arm, row in summary.items():
         print(f"{arm:<14}" + "".join(f"{row[k]:>15}" for k in keys))
+    kernels = sorted({k for r in results for k in r["picks"]})
+    apart = [k.rsplit(".", 1)[-1] for k in kernels if len({str(r["picks"].get(k)) for r in results}) > 1]
+    print(
+        f"picks: {len(kernels)} autotuned FLA kernels, {len(apart)} picked apart between runs:",
+        ", ".join(apart),
+    )
     if args.out:
         args.out.write_text(json.dumps({"runs": results, "median": summary}, indent=1) + "\n")
     return 0
