@@ -46,6 +46,7 @@ def parse_arm(text: str) -> tuple[str, int]:
 
 def child(timing: str, tokens: int, train_tokens: int) -> dict:
     import torch
+    import torch.nn.functional as F
     import triton.testing
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -94,6 +95,16 @@ def child(timing: str, tokens: int, train_tokens: int) -> dict:
         figures[f"conv_ms_{where}"] = round(
             triton.testing.do_bench(lambda x=x: fla_causal_conv1d_fn(x[5], x[6], None, activation="silu")), 4
         )
+    # The training forward's call: q and k normalised in its compiled graph, not in FLA (model.kernel_ops).
+    qn, kn = (F.normalize(t.float(), dim=-1).to(bf16) for t in long[:2])
+    figures["rule_graph_ms_train"] = round(
+        triton.testing.do_bench(
+            lambda: chunk_gated_delta_rule(
+                qn, kn, *long[2:3], g=long[3], beta=long[4], use_qk_l2norm_in_kernel=False
+            )
+        ),
+        4,
+    )
     # A kernel with nothing to tune, timed alike: when it drifts too, the machine drifted, not the picks.
     a = torch.randn(4096, 4096, device=dev, dtype=bf16)
     figures["matmul_ms"] = round(triton.testing.do_bench(lambda: a @ a), 4)
@@ -102,15 +113,18 @@ def child(timing: str, tokens: int, train_tokens: int) -> dict:
 
 
 def picked_configs() -> dict[str, list[str]]:
-    """Each FLA autotuner's picks in this process (its key -> config), to tell runs that picked apart."""
+    """Every Triton autotuner's picks in this process (its key -> config), by kernel name, to tell runs that
+    picked apart. Found by the garbage collector: FLA wraps most of them (heuristics, its own cache)."""
+    import gc
+
     from triton.runtime.autotuner import Autotuner
 
     picks: dict[str, list[str]] = {}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("fla.") and module is not None:
-            for attr, obj in vars(module).items():
-                if isinstance(obj, Autotuner) and obj.cache:
-                    picks[f"{name}.{attr}"] = sorted(f"{k}: {c}" for k, c in obj.cache.items())
+    for obj in gc.get_objects():
+        if isinstance(obj, Autotuner) and obj.cache:
+            fn = getattr(obj, "base_fn", None) or obj.fn
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}"
+            picks[name] = sorted(f"{k}: {c}" for k, c in obj.cache.items())
     return picks
 
 
@@ -152,7 +166,7 @@ def main() -> int:
     }
     print(f"{'median':<14}" + "".join(f"{k:>15}" for k in keys))
     for arm, row in summary.items():
-        print(f"{arm:<14}" + "".join(f"{row[k]:>15}" for k in keys))
+        print(f"{arm:<14}" + "".join(f"{round(row[k], 4):>15}" for k in keys))
     kernels = sorted({k for r in results for k in r["picks"]})
     apart = [k.rsplit(".", 1)[-1] for k in kernels if len({str(r["picks"].get(k)) for r in results}) > 1]
     print(
