@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool): every GPU benchmark and GPU-only test, each under its own
 # time limit so a slow one cannot eat the others. Results: $OUT/*.log and *.json; figures go to docs/benchmarks.md.
-#   device run:  bash scripts/gpu_bench.sh [SECTION...]   (carry .whl: flash-linear-attention + fla-core wheels)
+#   device run:  bash scripts/gpu_bench.sh [SECTION...]   (carry .whl: bash scripts/gpu_wheels.sh)
 #   sections: drafter load pipeline gputests (default: all, in that order)
 #   sections run only when named (one H200): load-grid (fast_load's halves apart and a grid of its
 #   settings, with the peers), target (the target forward: eager, compiled, CUDA graphs, fp32 reference, device

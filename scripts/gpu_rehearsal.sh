@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rehearsal: `make smoke-train`'s sequence on a lent GPU machine (no systemd needed), in one command.
-#   device run (carry .whl: flash-linear-attention + fla-core wheels):  bash scripts/gpu_rehearsal.sh [REHEARSE ARGS]
+#   device run (carry .whl: bash scripts/gpu_wheels.sh):  bash scripts/gpu_rehearsal.sh [REHEARSE ARGS]
 # 1. the GPU tests of the kernels the trainer swaps in (FLA's causal conv against the torch one);
 # 2. python -m dflash_trainer.service.rehearse: a random Qwen3.6-27B-shaped target in /dev/shm, then preflight,
 #    launch -- serve (READY, steps 1-50, SIGTERM -> checkpoint, exit 0), launch -- serve (resume, steps 51-100),

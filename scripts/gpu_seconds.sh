@@ -3,7 +3,7 @@
 # service's own entry points. Detached, so that it outlives the device tool's 10-minute limit per command:
 #   device run (carry .whl and .old):  bash scripts/gpu_seconds.sh start [SECTION...]   # returns at once
 #   device run (no carry):             bash scripts/gpu_seconds.sh poll [SECONDS]       # until the end or SECONDS
-# .whl: the flash-linear-attention and fla-core wheels. .old/trainer/src: the trainer's source before the change
+# .whl: the wheels the machine lacks (bash scripts/gpu_wheels.sh). .old/trainer/src: the trainer's source before the change
 # (`git archive REV trainer/src | tar -x -C .old`), the "before" column of preflight's figures.
 # Sections, in this order (default: all):
 #   walk       the decode walk at the reference shape: ms per verify step, graph/recorded against dynamic/recorded
