@@ -1,15 +1,32 @@
-"""Shared fixtures: one thread (2 shared CPU cores), tiny targets written once per session, a tiny spec."""
+"""Shared fixtures: one thread (2 shared CPU cores), tiny targets written once per session, a tiny spec, the
+benchmark scripts as modules."""
 
 from __future__ import annotations
 
+import importlib
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """The trainer/bench script the test module names in BENCH_SCRIPT, imported with its directory on sys.path
+    while the module's tests run (a bench imports its siblings, some lazily)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        yield importlib.import_module(request.module.BENCH_SCRIPT)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
 
 
 @pytest.fixture(scope="session")

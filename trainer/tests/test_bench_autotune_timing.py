@@ -1,22 +1,10 @@
 """bench_autotune_timing's arms: TIMING@LENGTH, and a bad one named (the bench itself needs a GPU)."""
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("bench_autotune_timing")
-    finally:
-        sys.path.remove(str(BENCH))
+BENCH_SCRIPT = "bench_autotune_timing"  # the conftest's `bench` fixture
 
 
 def test_an_arm_is_a_timing_and_the_probe_length(bench) -> None:
