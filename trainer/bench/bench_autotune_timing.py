@@ -130,7 +130,7 @@ def picked_configs() -> dict[str, list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2, help="runs of each timing, alternating")
+    parser.add_argument("--runs", type=int, default=2, help="runs of each arm, alternating")
     parser.add_argument(
         "--arms", nargs="+", type=parse_arm, default=[("default", 256), ("brief", 256)],
         help="TIMING@LENGTH each: the autotuner's timing (default, brief) and the probe's length in tokens",
