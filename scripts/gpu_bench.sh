@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_env.sh" || exit 1
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
 run() {  # run NAME SECONDS CMD...: output to $OUT/NAME.log, the tail to the terminal

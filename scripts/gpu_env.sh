@@ -15,5 +15,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/trainer/src:${PYTHONPATH:-}
+# The trainer's own imports, before any section runs minutes into a call: a wheel the machine lacks (tomli-w,
+# FLA) is named now. Returns 1; the callers stop on it.
+if ! missing=$(python3 -c 'import dflash_trainer.config, fla' 2>&1); then
+  echo "gpu_env: the trainer does not import on this machine: ${missing##*$'\n'}" >&2
+  echo "gpu_env: fix: bash scripts/gpu_wheels.sh here, then carry .whl/ to the machine" >&2
+  return 1
+fi
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'

@@ -39,7 +39,7 @@ start)
   export STATE  # the detached shell writes its figures under it
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
-    source scripts/gpu_env.sh
+    source scripts/gpu_env.sh || { echo "session exit: gpu_env failed ($(date -u +%T))"; exit 1; }
     sections=${*:-walk gputests preflight autotune rehearsal target load}
     want() { [[ " $sections " == *" $1 "* ]]; }
     free -g | sed "s/^/host memory: /"

@@ -22,7 +22,7 @@ start)
   mkdir -p "$STATE/out"
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid nohup bash -c '
-    source scripts/gpu_env.sh
+    source scripts/gpu_env.sh || { echo "session exit 1: gpu_env failed ($(date -u +%T))"; exit 1; }
     lscpu | grep -E "^(Model name|Socket|Core|Thread|L3|NUMA node\(s\))" | sed "s/^/host: /"
     bench_on() { [[ " ${SESSION_BENCHES:-drafter target load specforge} " == *" $1 "* ]]; }
     echo "=== GPU tests ($(date -u +%T))"
