@@ -23,4 +23,4 @@ if ! missing=$(python3 -c 'import dflash_trainer.config, fla' 2>&1); then
   return 1
 fi
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "flash-linear-attention", fla.__version__, "gpus", torch.cuda.device_count())'

@@ -13,7 +13,6 @@ OUT=${OUT:-/tmp/gpu-rehearsal}
 STATE=${STATE:-/var/tmp/dflash-rehearsal}
 mkdir -p "$OUT" "$STATE"
 source "$(dirname "$0")/gpu_env.sh" || exit 1
-python3 -c 'import fla; print("flash-linear-attention", fla.__version__)'
 df -h "$STATE" /dev/shm | sed 's/^/disk: /'
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   echo "=== GPU tests of the kernels"

@@ -63,10 +63,10 @@ start)
         --state "$STATE/preflight" --out "$STATE/out/preflight.json" 2>&1
     fi
     if want autotune; then
-      echo "=== autotune: the picks of the probe per arm (${AUTOTUNE_ARMS:-default@256 brief@256}), cold, alternating ($(date -u +%T))"
+      echo "=== autotune: the picks of the probe per arm (${AUTOTUNE_ARMS:-the default arms of the bench}), cold, alternating ($(date -u +%T))"
       # shellcheck disable=SC2086  # the arms are words
       timeout 540 python3 trainer/bench/bench_autotune_timing.py --out "$STATE/out/autotune.json" \
-        ${AUTOTUNE_ARMS:+--arms $AUTOTUNE_ARMS} --runs "${AUTOTUNE_RUNS:-2}" 2>&1 | tail -n 16
+        ${AUTOTUNE_ARMS:+--arms $AUTOTUNE_ARMS} ${AUTOTUNE_RUNS:+--runs $AUTOTUNE_RUNS} 2>&1 | tail -n 16
     fi
     if want rehearsal; then
       echo "=== rehearsal: the service path, 30 steps with a restart at 15 ($(date -u +%T))"
