@@ -36,7 +36,7 @@ from dflash_trainer.config import load_config, read_target_info, validate
 from dflash_trainer.evaluation import draft_runner, target_cache, walk
 from dflash_trainer.model.target import load_target
 from dflash_trainer.runtime import autocast
-from dflash_trainer.train.setup import drafter_spec, new_drafter
+from dflash_trainer.train.setup import build_drafter
 from dflash_trainer.train.target_side import training_capture
 
 REFERENCE = Path(__file__).resolve().parents[1] / "configs" / "reference.toml"
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target loaded whole in {time.perf_counter() - t0:.1f} s")
     # As the trainer holds it: train.target_compile's capture patches the modeling modules' kernels.
     training_capture(target, cfg)
-    drafter = new_drafter(cfg, drafter_spec(cfg, target.config), device)
+    drafter = build_drafter(cfg, target.config, device)
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g) for _ in range(args.prompts + 1)]

@@ -31,7 +31,7 @@ def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
     from dflash_trainer.train.setup import drafter_spec, seed_everything
 
     spec = drafter_spec(cfg, read_text_config(cfg.model.target_path))
-    seed_everything(cfg.data.seed)  # as train.setup.new_drafter
+    seed_everything(cfg.data.seed)  # as train.setup.build_drafter
     return DFlashDrafter(spec).to(torch.float32)
 
 

@@ -21,7 +21,7 @@ from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.objective import dflash_loss
 from dflash_trainer.runtime import autocast, objective_config
 from dflash_trainer.train.schedule import Horizon, Position, anchor_seed
-from dflash_trainer.train.setup import drafter_spec, new_drafter
+from dflash_trainer.train.setup import build_drafter
 from dflash_trainer.train.target_side import EvalExchange
 
 log = logging.getLogger("dflash_trainer.train")
@@ -74,7 +74,7 @@ class DrafterSide:
         group: Any = None,  # the drafter ranks' process group (None: a lone drafter)
         save: bool = True,
         data_state: Callable[[int], dict[str, int] | None] = lambda _item: None,
-        drafter: nn.Module | None = None,  # a prepared drafter (benchmarks); default: new_drafter
+        drafter: nn.Module | None = None,  # a prepared drafter (benchmarks); default: build_drafter
     ) -> None:
         from dflash_trainer.ema import CpuEma
 
@@ -82,10 +82,10 @@ class DrafterSide:
         self.leader = index == 0
         self.num_drafters = num_drafters
         self.embed_tokens, self.lm_head = head.embed_tokens, head.lm_head
-        self.spec = drafter.spec if drafter is not None else drafter_spec(cfg, head.config)
         start = time.perf_counter()
         with startup.phase("drafter"):
-            self.drafter = drafter if drafter is not None else new_drafter(cfg, self.spec, device)
+            self.drafter = drafter if drafter is not None else build_drafter(cfg, head.config, device)
+        self.spec = self.drafter.spec
         if group is not None and torch.distributed.get_world_size(group) > 1:
             ddp = nn.parallel.DistributedDataParallel(
                 _DdpForward(self.drafter),

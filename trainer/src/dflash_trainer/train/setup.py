@@ -133,11 +133,13 @@ def prepare_drafter(drafter: nn.Module, cfg: TrainConfig) -> nn.Module:
     return drafter
 
 
-def new_drafter(cfg: TrainConfig, spec: Any, device: torch.device) -> nn.Module:
-    """The drafter, seeded (identical initial weights on every drafter rank), prepared."""
+def build_drafter(cfg: TrainConfig, target_config: Any, device: torch.device) -> nn.Module:
+    """The drafter for this target (its spec at `.spec`), seeded (identical initial weights on every drafter
+    rank), prepared."""
     from dflash_trainer.model.drafter import DFlashDrafter
 
     seed_everything(cfg.data.seed)
+    spec = drafter_spec(cfg, target_config)
     # Built where it trains: initialising the 1.7B reference drafter on the CPU took 26 s of every start on
     # 2 cores (seconds on a GPU host's CPUs too), then a host-to-device copy. fp32 master weights; autocast
     # does bf16. The seed makes every drafter rank's initial weights equal (DDP also broadcasts rank 0's).

@@ -23,7 +23,7 @@ from dflash_trainer.evaluation.walk import KeptWalk
 from dflash_trainer.logs import rank
 from dflash_trainer.runtime import autocast
 from dflash_trainer.train.schedule import eval_due
-from dflash_trainer.train.setup import ItemStream, Setup, drafter_spec, new_drafter
+from dflash_trainer.train.setup import ItemStream, Setup, build_drafter
 
 log = logging.getLogger("dflash_trainer.train")
 
@@ -178,5 +178,5 @@ class EvalExchange:
 
 def eval_replica(side: TargetSide) -> nn.Module:
     """Target rank 0's copy of the drafter for evaluation: no optimizer, weights from the leader."""
-    replica = new_drafter(side.cfg, drafter_spec(side.cfg, side.target.config), side.device)
+    replica = build_drafter(side.cfg, side.target.config, side.device)
     return replica.requires_grad_(False)
