@@ -9,10 +9,13 @@ totals are exact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash_trainer.device_memory import gpu_memory
 
@@ -167,3 +170,14 @@ def summary_table(summaries: list[RankSummary]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     lines.append(f"pipeline: {pipeline_tokens_per_s(summaries):.0f} tokens/s trained")
     return "\n".join(lines)
+
+
+def write_metrics(summaries: list[RankSummary], path: Path) -> None:
+    """The job's figures as JSON (`--metrics-out`): the pipeline's rate and each rank's summary, its
+    intervals left out (the timeline's)."""
+    data = {
+        "pipeline_tokens_per_s": pipeline_tokens_per_s(summaries),
+        "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -39,7 +38,7 @@ from dflash_trainer.distributed.failure import (
     handle_failure,
     install_excepthooks,
 )
-from dflash_trainer.distributed.metrics import RankMeter, RankSummary, pipeline_tokens_per_s, summary_table
+from dflash_trainer.distributed.metrics import RankMeter, RankSummary, summary_table, write_metrics
 from dflash_trainer.distributed.roles import RunSpan, run_drafter, run_target
 from dflash_trainer.distributed.stopping import REQUESTED, StopSignal
 from dflash_trainer.distributed.topology import (
@@ -344,19 +343,12 @@ def _build_dflash(
 
 def _report(summaries: list[RankSummary], opts: RankOptions) -> None:
     print(summary_table(summaries), flush=True)
+    if opts.metrics_out:
+        write_metrics(summaries, opts.metrics_out)
     if opts.timeline:
         from dflash_trainer.distributed.timeline import plot_timeline
 
         log.info("timeline: %s", plot_timeline(summaries, opts.timeline))
-    if opts.metrics_out:
-        data = {
-            "pipeline_tokens_per_s": pipeline_tokens_per_s(summaries),
-            "ranks": [
-                {k: v for k, v in dataclasses.asdict(s).items() if k != "intervals"} for s in summaries
-            ],
-        }
-        opts.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-        opts.metrics_out.write_text(json.dumps(data, indent=1))
 
 
 def run_rank(
