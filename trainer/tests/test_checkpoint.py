@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import random
+import shutil
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,3 +68,67 @@ def test_a_checkpoint_name_gives_back_its_step_and_anything_else_is_refused():
     for name in (".tmp-step-00000012-4242", "step-12", "ema.pt"):
         with pytest.raises(ValueError, match="not a checkpoint name"):
             step_of_name(name)
+
+
+class NfsClient:
+    """What an NFS client does to `shutil.rmtree` of a directory holding a file it still has open (an export
+    or an evaluation reading an old checkpoint on the same CT), from Linux's fs/nfs: unlink of an open
+    file is a silly rename (unlink.c nfs_sillyrename: the file becomes `.nfs<fileid:016x><counter:08x>`
+    in its directory, removed by the client at its last close); unlink of a silly-renamed file fails with
+    EBUSY (the same function, DCACHE_NFSFS_RENAMED); rmdir of a directory still holding it fails with
+    ENOTEMPTY (the server's NFS3ERR_NOTEMPTY). A local file system unlinks an open file at once, so only
+    NFS shows this."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, Path | None] = {}  # inode of a file held open -> its silly name, once renamed
+        self.counter = 0
+
+    def hold(self, path: Path) -> int:
+        self.open[path.stat().st_ino] = None
+        return path.stat().st_ino
+
+    def close(self, inode: int) -> None:
+        silly = self.open.pop(inode)
+        if silly is not None:
+            silly.unlink()  # the last close removes the silly-renamed file
+
+    def remove_tree(self, path: Any, ignore_errors: bool = False, **_: Any) -> None:
+        try:
+            for entry in sorted(Path(path).iterdir()):
+                inode = entry.stat().st_ino
+                if inode not in self.open:
+                    entry.unlink()
+                elif self.open[inode] is not None:
+                    raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(entry))
+                else:
+                    self.counter += 1
+                    self.open[inode] = entry.with_name(f".nfs{inode:016x}{self.counter:08x}")
+                    entry.rename(self.open[inode])
+            if any(Path(path).iterdir()):
+                raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), str(path))
+            Path(path).rmdir()
+        except OSError:
+            if not ignore_errors:
+                raise
+
+
+def test_a_checkpoint_held_open_on_nfs_is_pruned_later_and_the_save_stands(tmp_path, monkeypatch, caplog):
+    client = NfsClient()
+    monkeypatch.setattr(shutil, "rmtree", client.remove_tree)
+    one = save_checkpoint(tmp_path, 1, {"step": 1}, {"x": torch.ones(2)}, keep_last=1)
+    export = client.hold(one / "ema.pt")  # `dflash-train export` reading it while the run saves on
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.checkpoint"):
+        two = save_checkpoint(tmp_path, 2, {"step": 2}, {}, keep_last=1)
+    assert latest_checkpoint(tmp_path) == two and load_checkpoint(two, ema=False) == ({"step": 2}, None)
+    assert "step-00000001" in caplog.text and "Directory not empty" in caplog.text
+    save_checkpoint(tmp_path, 3, {"step": 3}, {}, keep_last=1)  # step 1 still held (EBUSY), step 2 pruned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000003"]
+    client.close(export)
+    four = save_checkpoint(tmp_path, 4, {"step": 4}, {}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    reader = client.hold(four / "state.pt")
+    save_checkpoint(tmp_path, 4, {"step": 4, "again": True}, {}, keep_last=1)  # a stop right after a save
+    assert load_checkpoint(four, ema=False) == ({"step": 4, "again": True}, None)
+    client.close(reader)  # its silly-renamed file sat in the replaced copy, moved aside
+    save_checkpoint(tmp_path, 5, {"step": 5}, {}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005"]

@@ -158,7 +158,11 @@ def save_checkpoint(
         _save(state, tmp / "state.pt")
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
-            shutil.rmtree(final)
+            # Moved aside, not removed: on NFS a file of it may still be open (see _prune); the aside goes
+            # with the stale temporaries below, now or after a later save.
+            aside = directory / f".tmp-{step_name(step)}-{os.getpid()}-replaced"
+            shutil.rmtree(aside, ignore_errors=True)
+            final.rename(aside)
         tmp.rename(final)
         _fsync_dir(directory)
     except Exception as e:
@@ -168,11 +172,22 @@ def save_checkpoint(
             f"checkpoint {final.name} in {directory}: {type(cause).__name__}: {cause}"
         ) from None
     for old in list_checkpoints(directory)[:-keep_last]:
-        shutil.rmtree(old)
+        _prune(old)
     for stale in directory.glob(".tmp-step-*"):  # left by a process that died mid-save
         if stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _prune(old: Path) -> None:
+    """Removes an old checkpoint; one that will not go is left for the next save's prune. The new checkpoint
+    is on disk by then, so this must not end the run: on NFS a file still open on the same client (an
+    export reading it) is renamed `.nfs*` instead of removed, and its directory stays until it is closed."""
+    try:
+        shutil.rmtree(old)
+    except OSError as e:
+        log.warning("checkpoint %s not removed yet (%s: %s); tried again after the next save", old.name,
+                    type(e).__name__, e)  # fmt: skip
 
 
 def load_checkpoint(path: Path, *, ema: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
