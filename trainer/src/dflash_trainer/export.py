@@ -28,11 +28,9 @@ def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
     A baseline: exported and served, it gives the acceptance length of a drafter that learnt nothing.
     """
     from dflash_trainer.model.target import read_text_config
-    from dflash_trainer.train.setup import drafter_spec, seed_everything
+    from dflash_trainer.train.setup import seeded_drafter
 
-    spec = drafter_spec(cfg, read_text_config(cfg.model.target_path))
-    seed_everything(cfg.data.seed)  # as train.setup.build_drafter
-    return DFlashDrafter(spec).to(torch.float32)
+    return seeded_drafter(cfg, read_text_config(cfg.model.target_path)).to(torch.float32)
 
 
 def expected_weight_names(spec: DrafterSpec) -> set[str]:

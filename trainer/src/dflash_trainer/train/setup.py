@@ -8,7 +8,7 @@ import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import Batch, collate
 from dflash_trainer.data.shards import ShardReader
 from dflash_trainer.runtime import run_dtype
+
+if TYPE_CHECKING:
+    from dflash_trainer.model.drafter import DFlashDrafter
 
 
 def seed_everything(seed: int) -> None:
@@ -133,19 +136,23 @@ def prepare_drafter(drafter: nn.Module, cfg: TrainConfig) -> nn.Module:
     return drafter
 
 
-def build_drafter(cfg: TrainConfig, target_config: Any, device: torch.device) -> nn.Module:
-    """The drafter for this target (its spec at `.spec`), seeded (identical initial weights on every drafter
-    rank), prepared."""
+def seeded_drafter(cfg: TrainConfig, target_config: Any, device: torch.device | None = None) -> DFlashDrafter:
+    """The drafter a run of `cfg` starts from (step 0), its spec at `.spec`: seeded, so its initial weights
+    are the same wherever it is built (every drafter rank, `export --untrained`)."""
     from dflash_trainer.model.drafter import DFlashDrafter
 
     seed_everything(cfg.data.seed)
     spec = drafter_spec(cfg, target_config)
+    with torch.device(device or "cpu"):
+        return DFlashDrafter(spec)
+
+
+def build_drafter(cfg: TrainConfig, target_config: Any, device: torch.device) -> nn.Module:
+    """The drafter for this target, seeded (identical initial weights on every drafter rank), prepared."""
     # Built where it trains: initialising the 1.7B reference drafter on the CPU took 26 s of every start on
     # 2 cores (seconds on a GPU host's CPUs too), then a host-to-device copy. fp32 master weights; autocast
     # does bf16. The seed makes every drafter rank's initial weights equal (DDP also broadcasts rank 0's).
-    with torch.device(device):
-        drafter = DFlashDrafter(spec)
-    return prepare_drafter(drafter.to(device), cfg)
+    return prepare_drafter(seeded_drafter(cfg, target_config, device).to(device), cfg)
 
 
 def walks(cfg: TrainConfig) -> bool:
