@@ -84,8 +84,9 @@ class NfsClient:
         self.counter = 0
 
     def hold(self, path: Path) -> int:
-        self.open[path.stat().st_ino] = None
-        return path.stat().st_ino
+        inode = path.stat().st_ino
+        self.open[inode] = None
+        return inode
 
     def close(self, inode: int) -> None:
         silly = self.open.pop(inode)
