@@ -15,12 +15,11 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from dflash_trainer.alerts import journal, message, spool
 from dflash_trainer.alerts.classify import Cause, classify, last_step
-from dflash_trainer.alerts.run_state import latest_checkpoint, train_settings
+from dflash_trainer.alerts.run_state import train_settings
 from dflash_trainer.alerts.settings import Settings
 from dflash_trainer.alerts.state import State
 
@@ -113,8 +112,7 @@ def handle(
             st.data["last_event"] = "started"
         return None
     train = train_settings(settings.train_config)
-    ckpt_dir = train.get("checkpoint_dir")
-    checkpoint = latest_checkpoint(Path(ckpt_dir)) if ckpt_dir else None
+    checkpoint = train.newest_checkpoint()
     restarts = prop(unit, "NRestarts")
     note = ""
     if kind == "failed":
@@ -137,7 +135,7 @@ def handle(
         ct=settings.ct,
         cause=cause,
         step=step,
-        max_steps=train.get("max_steps"),
+        max_steps=train.max_steps,
         checkpoint=checkpoint,
         restarts=int(restarts) if restarts.isdigit() else None,
         note=note,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dflash_trainer.alerts import metrics, spool
 from dflash_trainer.alerts.figures import Figures
-from dflash_trainer.alerts.run_state import latest_checkpoint, train_settings
+from dflash_trainer.alerts.run_state import train_settings
 from dflash_trainer.alerts.settings import Settings
 from dflash_trainer.alerts.watch import Alerting, Thresholds, check
 
@@ -39,14 +39,13 @@ def unit_state(unit: str) -> tuple[bool, int | None]:
 
 def tick(f: Figures, settings: Settings, alerting: Alerting, now: float) -> None:
     train = train_settings(settings.train_config)
-    ckpt_dir = train.get("checkpoint_dir")
-    ckpt = latest_checkpoint(Path(ckpt_dir)) if ckpt_dir else None
+    ckpt = train.newest_checkpoint()
     active, restarts = unit_state(settings.unit)
     thresholds = Thresholds(
         settings.slow_share,
         settings.slow_minutes,
         settings.checkpoint_intervals,
-        train.get("checkpoint_every"),
+        train.checkpoint_every,
     )
     for event, what in check(f, thresholds, now, active=active, checkpoint_at=ckpt.mtime if ckpt else None,
                              alerting=alerting):  # fmt: skip
@@ -55,7 +54,7 @@ def tick(f: Figures, settings: Settings, alerting: Alerting, now: float) -> None
                                        "step": f.step})  # fmt: skip
     if settings.textfile_dir:
         text = metrics.render(
-            f, unit=settings.unit, active=active, restarts=restarts, max_steps=train.get("max_steps"),
+            f, unit=settings.unit, active=active, restarts=restarts, max_steps=train.max_steps,
             checkpoint_step=ckpt.step if ckpt else None, checkpoint_age_s=ckpt.age_s(now) if ckpt else None,
         )  # fmt: skip
         metrics.write_textfile(Path(settings.textfile_dir), TEXTFILE, text)

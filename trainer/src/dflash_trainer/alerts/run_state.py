@@ -20,20 +20,28 @@ class Checkpoint:
         return max(0.0, (time.time() if now is None else now) - self.mtime)
 
 
-def train_settings(path: Path) -> dict:
-    """What the alerts read of [train], through the trainer's own loader (checkpoint_dir resolved the way the
-    trainer resolves it, defaults filled); {} when the file does not load: a message still goes out."""
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the alerts read of [train]; all None when the file does not load (a message still goes out)."""
+
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int | None = None
+    max_steps: int | None = None
+
+    def newest_checkpoint(self) -> Checkpoint | None:
+        return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+
+
+def train_settings(path: Path) -> TrainSettings:
+    """[train] through the trainer's own loader: checkpoint_dir resolved as the trainer resolves it, defaults
+    filled."""
     from dflash_trainer.config import ConfigError, check_tables, read_toml
 
     try:
         train = check_tables(read_toml(path), base=path.resolve().parent).train
     except (ConfigError, OSError):
-        return {}
-    return {
-        "checkpoint_dir": str(train.checkpoint_dir),
-        "checkpoint_every": train.checkpoint_every,
-        "max_steps": train.max_steps,
-    }
+        return TrainSettings()
+    return TrainSettings(train.checkpoint_dir, train.checkpoint_every, train.max_steps)
 
 
 def latest_checkpoint(directory: Path) -> Checkpoint | None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import subprocess
 import time
-from pathlib import Path
 
 from dflash_trainer.alerts import journal
 from dflash_trainer.alerts.classify import classify
 from dflash_trainer.alerts.figures import Figures
-from dflash_trainer.alerts.run_state import duration, latest_checkpoint, train_settings
+from dflash_trainer.alerts.run_state import duration, train_settings
 from dflash_trainer.alerts.settings import Settings
 from dflash_trainer.alerts.state import State
 
@@ -52,9 +51,8 @@ def report(settings: Settings, now: float | None = None) -> str:
         at = int(e.get("__REALTIME_TIMESTAMP", now * 1e6)) / 1e6
         f.feed(e["MESSAGE"], at, e.get("_SYSTEMD_INVOCATION_ID", ""))
     train = train_settings(settings.train_config)
-    max_steps = train.get("max_steps")
-    ckpt_dir = train.get("checkpoint_dir")
-    ckpt = latest_checkpoint(Path(ckpt_dir)) if ckpt_dir else None
+    max_steps = train.max_steps
+    ckpt = train.newest_checkpoint()
     state = f"{p.get('ActiveState', '?')} ({p.get('SubState', '?')})"
     if p.get("ActiveState") == "failed":
         state += f", result {p.get('Result')}"

@@ -263,7 +263,6 @@ def _build_dflash(
     progress: Callable[[str], None] | None = None,
 ) -> Built:
     """This rank's side of the run, resumed where the drafter leader's newest checkpoint says."""
-    from dflash_trainer.checkpoint import latest_checkpoint
     from dflash_trainer.distributed.transport import WireFormat
     from dflash_trainer.fixtures.bench import setup_from_bench
     from dflash_trainer.train.drafter_side import DrafterSide
@@ -291,19 +290,18 @@ def _build_dflash(
         )  # fmt: skip
     wire = WireFormat(cfg.optim.batch, cfg.data.seq_len, setup.wire_features, setup.dtype)
 
-    checkpoint_dir = cfg.train.checkpoint_dir
     if nodes() > 1 and not opts.bench:  # the leader's checkpoints must reach a leader on any node
         from dflash_trainer.distributed.shared_dir import check_shared
 
         key = "train.checkpoint_dir"
-        check_shared(checkpoint_dir, key, rank, leader, groups["gloo"], groups["me"])
+        check_shared(cfg.train.checkpoint_dir, key, rank, leader, groups["gloo"], groups["me"])
 
     # Resume: the drafter leader finds the newest checkpoint and tells every rank where the run is.
     box: list[Any] = [None]
     if opts.resume and not opts.bench and rank == leader:
-        path = latest_checkpoint(checkpoint_dir)
-        if path is not None:
-            box[0] = (str(path), work.resume(path))
+        found = work.resume_newest()
+        if found is not None:
+            box[0] = (str(found[0]), found[1])
     dist.broadcast_object_list(box, src=leader, group=groups["gloo"])
     position = Position()
     if box[0] is not None:

@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from dflash_trainer import startup
-from dflash_trainer.checkpoint import AsyncCheckpointer, load_checkpoint, rng_state, set_rng_state
+from dflash_trainer.checkpoint import (
+    AsyncCheckpointer,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import TargetBatch
 from dflash_trainer.method.objective import dflash_loss
@@ -122,9 +128,11 @@ class DrafterSide:
                 cfg.drafter.num_layers, sum(p.numel() for p in params) / 1e9, device,
                 time.perf_counter() - start,
             )  # fmt: skip
-        t = cfg.train
+        self.checkpoint_dir = cfg.train.checkpoint_dir
         self.checkpointer = (
-            AsyncCheckpointer(t.checkpoint_dir, keep_last=t.keep_last) if save and self.leader else None
+            AsyncCheckpointer(self.checkpoint_dir, keep_last=cfg.train.keep_last)
+            if save and self.leader
+            else None
         )
         self.last: StepMetrics | None = None
         self.exchange: EvalExchange | None = None  # the leader's evaluation hand-off in a pipeline
@@ -222,6 +230,11 @@ class DrafterSide:
         return self.checkpointer.save(
             self.step_count, self.state_dict(next_step), ema.freeze, release=ema.thaw, final=final
         )
+
+    def resume_newest(self) -> tuple[Path, Position] | None:
+        """Resumes from the newest complete checkpoint in `train.checkpoint_dir` (None: there is none yet)."""
+        path = latest_checkpoint(self.checkpoint_dir)
+        return None if path is None else (path, self.resume(path))
 
     def resume(self, path: Path) -> Position:
         """Loads a checkpoint of any topology (every drafter: the DDP replicas must start equal)."""

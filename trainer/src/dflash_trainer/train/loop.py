@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from dflash_trainer import startup
-from dflash_trainer.checkpoint import latest_checkpoint
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.device_memory import gpu_memory
 from dflash_trainer.runtime import resolve_device
@@ -66,9 +65,10 @@ class Run:
         self.position = Position()
 
     def resume(self) -> Path | None:
-        path = latest_checkpoint(self.cfg.train.checkpoint_dir)
-        if path is not None:
-            self.position = self.drafter.resume(path)
+        found = self.drafter.resume_newest()
+        if found is None:
+            return None
+        path, self.position = found
         return path
 
     def evaluate(self) -> dict[str, float]:
