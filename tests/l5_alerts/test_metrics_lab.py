@@ -72,6 +72,7 @@ def test_the_series_exist_with_plausible_values(fresh, prom):
         assert abs(total - 1.0) < 0.02, (rank, shares)
     assert one("dflash_train_checkpoint_step") >= 10  # checkpoint_every 10 in the lab
     assert 0 <= one("dflash_train_checkpoint_age_seconds") < 120
+    assert 1 <= one("dflash_train_checkpoints_on_disk") <= 3  # lab.toml's keep_last 2, one more mid-prune
     assert one("dflash_train_restarts") == 0
     assert 0 < one("dflash_train_preflight_seconds") < 120
     assert 0 < one("dflash_train_start_seconds") < 240

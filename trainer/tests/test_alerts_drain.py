@@ -103,6 +103,20 @@ def test_a_failure_then_its_recovery_then_a_gave_up(tmp_path: Path) -> None:
     assert State(tmp_path / "state").data["last_failure"]["kind"] == "start_limit"
 
 
+def test_each_watch_event_makes_a_warning_with_what_the_watch_saw(tmp_path: Path) -> None:
+    from dflash_trainer.alerts.watch import WATCH_EVENTS
+
+    s, st = settings(tmp_path), State(tmp_path / "state")
+    for n, kind in enumerate(WATCH_EVENTS):
+        what = f"what the watch saw of {kind}"
+        event = {"hook": "watch", "unit": s.unit, "event": kind, "what": what, "step": 7, "time": n}
+        msg = handle(event, s, st, lambda _m: True, lambda _u: [], props({}))
+        assert msg is not None and msg["event"] == kind and msg["severity"] == "warning", msg
+        assert what in msg["text"] and msg["checkpoint"]["step"] == 20
+    unknown = {"hook": "watch", "unit": s.unit, "event": "no_such_event", "what": "x", "time": 99}
+    assert handle(unknown, s, st, lambda _m: True, lambda _u: [], props({})) is None
+
+
 @pytest.mark.parametrize("fmt", ["generic", "slack", "ntfy"])
 def test_drain_posts_each_spooled_event_in_the_format(
     tmp_path: Path, receiver: Receiver, fmt: str, monkeypatch: pytest.MonkeyPatch

@@ -7,9 +7,11 @@ the one-process line is train/loop.py log_line's format."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from dflash_trainer.alerts.figures import Figures
 from dflash_trainer.alerts.metrics import render
+from dflash_trainer.alerts.run_state import TrainSettings
 from dflash_trainer.alerts.watch import Alerting, Thresholds, check
 
 READY = (
@@ -113,11 +115,40 @@ def test_no_checkpoint_for_two_intervals_alerts() -> None:
     assert check(f, short, 1080, active=True, checkpoint_at=1025.0, alerting=Alerting()) == []
 
 
+def test_checkpoints_left_past_keep_last_plus_one_alert_once(tmp_path: Path) -> None:
+    """A save removes the oldest after writing the newest; one that will not go (held open on NFS) is retried
+    at the next save: keep_last + 1 on disk is normal, more means the removal keeps failing."""
+    train = TrainSettings(checkpoint_dir=tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    (tmp_path / ".tmp-step-00000040-77").mkdir()  # a write in progress: not a checkpoint yet
+    t, f, alerting = Thresholds(minutes=100, keep_last=2), run([1000] * 3), Alerting()
+
+    def events() -> list[tuple[str, str]]:
+        on_disk = train.checkpoints_on_disk()
+        return check(f, t, 1040, active=True, checkpoint_at=None, alerting=alerting,
+                     checkpoints_on_disk=on_disk)  # fmt: skip
+
+    assert train.checkpoints_on_disk() == 3 and events() == []
+    (tmp_path / "step-00000040").mkdir()  # half removed (its state.pt gone, ema.pt held): still on disk
+    ((kind, what),) = check(f, t, 1040, active=True, checkpoint_at=None, alerting=Alerting(),
+                            checkpoints_on_disk=train.checkpoints_on_disk())  # fmt: skip
+    assert kind == "old_checkpoints" and "4 checkpoints on disk, train.keep_last is 2" in what, what
+    assert [e for e, _ in events()] == ["old_checkpoints"]
+    assert events() == []  # once per episode
+    (tmp_path / "step-00000010").rmdir()  # the reader closed; the next save's retry removed it
+    assert events() == []
+    (tmp_path / "step-00000050").mkdir()
+    assert [e for e, _ in events()] == ["old_checkpoints"]  # re-armed
+    assert TrainSettings().checkpoints_on_disk() is None
+    assert TrainSettings(checkpoint_dir=tmp_path / "none").checkpoints_on_disk() == 0
+
+
 def test_the_textfile_is_prometheus_text_with_every_series() -> None:
     f = run([650, 1230])
     f.walk_tau = 2.5
     text = render(f, unit="dflash-train.service", active=True, restarts=2, max_steps=100, checkpoint_step=20,
-                  checkpoint_age_s=12.5)  # fmt: skip
+                  checkpoint_age_s=12.5, checkpoints_on_disk=3)  # fmt: skip
     sample = re.compile(r'^[a-z_]+(\{([a-z_]+="[^"]*",?)*\})? -?[\d.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# ") or sample.match(line), line
@@ -131,6 +162,7 @@ def test_the_textfile_is_prometheus_text_with_every_series() -> None:
         f'dflash_train_rank_time_share{{{u},rank="0",role="target",state="busy"}} 0.94',
         f"dflash_train_walk_tau{{{u}}} 2.5",
         f"dflash_train_checkpoint_age_seconds{{{u}}} 12.5",
+        f"dflash_train_checkpoints_on_disk{{{u}}} 3",
         f"dflash_train_restarts{{{u}}} 2",
         f"dflash_train_preflight_seconds{{{u}}} 2.7",
         f"dflash_train_start_seconds{{{u}}} 23.0",

@@ -22,6 +22,7 @@ from dflash_trainer.alerts.classify import Cause, classify, last_step
 from dflash_trainer.alerts.run_state import train_settings
 from dflash_trainer.alerts.settings import Settings
 from dflash_trainer.alerts.state import State
+from dflash_trainer.alerts.watch import WATCH_EVENTS
 
 log = logging.getLogger("dflash_trainer.alerts")
 Send = Callable[[dict[str, Any]], bool]
@@ -55,7 +56,7 @@ def decide(event: dict[str, Any], st: State, cause: Cause | None) -> str | None:
     hook, result = event["hook"], event.get("result", "")
     last = st.data.get("last_event")
     if hook == "watch":
-        return event.get("event") if event.get("event") in ("stalled", "slow", "no_checkpoint") else None
+        return event.get("event") if event.get("event") in WATCH_EVENTS else None
     if hook == "start":
         return "recovered" if last in ("failed", "gave_up") else None
     if hook == "failure":
@@ -77,7 +78,7 @@ def handle(
     read = read or journal.entries
     prop = prop or unit_property
     unit, invocation, result = event["unit"], event.get("invocation", ""), event.get("result", "")
-    if event["hook"] == "watch":  # follow.py: stalled, slow, no_checkpoint (once per episode already)
+    if event["hook"] == "watch":  # follow.py: WATCH_EVENTS (once per episode already)
         key = f"watch:{event.get('event')}:{event.get('time')}"
     elif event["hook"] == "start":
         key = f"start:{invocation}"

@@ -39,16 +39,17 @@ def unit_state(unit: str) -> tuple[bool, int | None]:
 
 def tick(f: Figures, settings: Settings, alerting: Alerting, now: float) -> None:
     train = train_settings(settings.train_config)
-    ckpt = train.newest_checkpoint()
+    ckpt, on_disk = train.newest_checkpoint(), train.checkpoints_on_disk()
     active, restarts = unit_state(settings.unit)
     thresholds = Thresholds(
         settings.slow_share,
         settings.slow_minutes,
         settings.checkpoint_intervals,
         train.checkpoint_every,
+        train.keep_last,
     )
     for event, what in check(f, thresholds, now, active=active, checkpoint_at=ckpt.mtime if ckpt else None,
-                             alerting=alerting):  # fmt: skip
+                             alerting=alerting, checkpoints_on_disk=on_disk):  # fmt: skip
         log.warning("%s: %s", event, what)
         spool.put(settings.spool_dir, {"hook": "watch", "unit": settings.unit, "event": event, "what": what,
                                        "step": f.step})  # fmt: skip
@@ -56,6 +57,7 @@ def tick(f: Figures, settings: Settings, alerting: Alerting, now: float) -> None
         text = metrics.render(
             f, unit=settings.unit, active=active, restarts=restarts, max_steps=train.max_steps,
             checkpoint_step=ckpt.step if ckpt else None, checkpoint_age_s=ckpt.age_s(now) if ckpt else None,
+            checkpoints_on_disk=on_disk,
         )  # fmt: skip
         metrics.write_textfile(Path(settings.textfile_dir), TEXTFILE, text)
 

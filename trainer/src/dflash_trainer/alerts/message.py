@@ -19,6 +19,7 @@ EVENTS = {
     "stalled": ("warning", "stalled"),
     "slow": ("warning", "slowed down"),
     "no_checkpoint": ("warning", "no recent checkpoint"),
+    "old_checkpoints": ("warning", "old checkpoints not removed"),
     "test": ("info", "test message"),
 }
 

@@ -35,6 +35,7 @@ def render(
     max_steps: int | None,
     checkpoint_step: int | None,
     checkpoint_age_s: float | None,
+    checkpoints_on_disk: int | None = None,
 ) -> str:
     out: list[str] = []
 
@@ -78,6 +79,7 @@ def render(
         ],
     )
     gauge("checkpoint_step", "the newest complete checkpoint's step", [({}, checkpoint_step)])
+    gauge("checkpoints_on_disk", "step directories in train.checkpoint_dir", [({}, checkpoints_on_disk)])
     gauge(
         "checkpoint_age_seconds", "seconds since the newest checkpoint was written", [({}, checkpoint_age_s)]
     )

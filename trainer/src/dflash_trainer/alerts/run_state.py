@@ -27,9 +27,14 @@ class TrainSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int | None = None
     max_steps: int | None = None
+    keep_last: int | None = None
 
     def newest_checkpoint(self) -> Checkpoint | None:
         return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+
+    def checkpoints_on_disk(self) -> int | None:
+        """Step directories in checkpoint_dir, a half-removed one included (it still holds disk)."""
+        return len(step_dirs(self.checkpoint_dir)) if self.checkpoint_dir is not None else None
 
 
 def train_settings(path: Path) -> TrainSettings:
@@ -41,17 +46,22 @@ def train_settings(path: Path) -> TrainSettings:
         train = check_tables(read_toml(path), base=path.resolve().parent).train
     except (ConfigError, OSError):
         return TrainSettings()
-    return TrainSettings(train.checkpoint_dir, train.checkpoint_every, train.max_steps)
+    return TrainSettings(train.checkpoint_dir, train.checkpoint_every, train.max_steps, train.keep_last)
+
+
+def step_dirs(directory: Path) -> list[Path]:
+    """The `step-N` directories, oldest first; none where the directory cannot be read."""
+    try:
+        return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+    except OSError:
+        return []
 
 
 def latest_checkpoint(directory: Path) -> Checkpoint | None:
-    try:
-        names = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
-    except OSError:
-        return None
+    names = step_dirs(directory)
     if not names:
         return None
-    newest = max(names, key=lambda p: p.name)
+    newest = names[-1]
     files = [newest, *(p for p in newest.iterdir() if p.is_file())]
     mtime = max(p.stat().st_mtime for p in files)
     return Checkpoint(int(_STEP_DIR.match(newest.name).group(1)), newest, mtime)

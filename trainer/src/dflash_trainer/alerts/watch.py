@@ -5,6 +5,9 @@
   within WatchdogSec, this catches a job that is alive but makes no progress).
 - no_checkpoint: the newest checkpoint older than `intervals` x checkpoint_every x the median step time (at
   least a minute).
+- old_checkpoints: more than keep_last + 1 checkpoints on disk. A save writes the new one, then removes the
+  oldest; one that will not go (a process holds it open on NFS) is retried at the next save, so one extra is
+  normal, two mean the removal keeps failing and the disk fills past what preflight's disk check counted.
 Each alerts once per episode and re-arms when the condition clears.
 """
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from dflash_trainer.alerts.figures import Figures
 from dflash_trainer.alerts.run_state import duration
 
+WATCH_EVENTS = ("stalled", "slow", "no_checkpoint", "old_checkpoints")
 MIN_CHECKPOINT_LIMIT_S = 60.0  # a checkpoint every few seconds (the lab's) is not held to the second
 
 
@@ -24,6 +28,7 @@ class Thresholds:
     minutes: float = 10.0
     intervals: float = 2.0
     checkpoint_every: int | None = None
+    keep_last: int | None = None
 
 
 @dataclass
@@ -48,6 +53,7 @@ def check(
     active: bool,
     checkpoint_at: float | None,
     alerting: Alerting,
+    checkpoints_on_disk: int | None = None,
 ) -> list[tuple[str, str]]:
     """(event, what) for each condition that just began."""
     out: list[tuple[str, str]] = []
@@ -79,5 +85,14 @@ def check(
             "no_checkpoint",
             f"no checkpoint for {duration(age)}: more than {t.intervals:g} x checkpoint_every "
             f"({t.checkpoint_every} steps x {step_s:.2f} s)",
+        ))  # fmt: skip
+    piling = (
+        t.keep_last is not None and checkpoints_on_disk is not None and checkpoints_on_disk > t.keep_last + 1
+    )
+    if alerting.edge("old_checkpoints", piling):
+        out.append((
+            "old_checkpoints",
+            f"{checkpoints_on_disk} checkpoints on disk, train.keep_last is {t.keep_last}: the older ones "
+            "were not removed (`checkpoint step-N not removed yet` in the journal says why)",
         ))  # fmt: skip
     return out
