@@ -125,14 +125,14 @@ def test_checkpoints_left_past_keep_last_plus_one_alert_once(tmp_path: Path) -> 
     t, f, alerting = Thresholds(minutes=100, keep_last=2), run([1000] * 3), Alerting()
 
     def events() -> list[tuple[str, str]]:
-        on_disk = train.checkpoints_on_disk()
+        on_disk = train.checkpoints()[1]
         return check(f, t, 1040, active=True, checkpoint_at=None, alerting=alerting,
                      checkpoints_on_disk=on_disk)  # fmt: skip
 
-    assert train.checkpoints_on_disk() == 3 and events() == []
+    assert train.checkpoints()[1] == 3 and events() == []
     (tmp_path / "step-00000040").mkdir()  # half removed (its state.pt gone, ema.pt held): still on disk
     ((kind, what),) = check(f, t, 1040, active=True, checkpoint_at=None, alerting=Alerting(),
-                            checkpoints_on_disk=train.checkpoints_on_disk())  # fmt: skip
+                            checkpoints_on_disk=train.checkpoints()[1])  # fmt: skip
     assert kind == "old_checkpoints" and "4 checkpoints on disk, train.keep_last is 2" in what, what
     assert [e for e, _ in events()] == ["old_checkpoints"]
     assert events() == []  # once per episode
@@ -140,8 +140,8 @@ def test_checkpoints_left_past_keep_last_plus_one_alert_once(tmp_path: Path) -> 
     assert events() == []
     (tmp_path / "step-00000050").mkdir()
     assert [e for e, _ in events()] == ["old_checkpoints"]  # re-armed
-    assert TrainSettings().checkpoints_on_disk() is None
-    assert TrainSettings(checkpoint_dir=tmp_path / "none").checkpoints_on_disk() == 0
+    assert TrainSettings().checkpoints() == (None, None)
+    assert TrainSettings(checkpoint_dir=tmp_path / "none").checkpoints() == (None, 0)
 
 
 def test_the_textfile_is_prometheus_text_with_every_series() -> None:

@@ -39,7 +39,7 @@ def unit_state(unit: str) -> tuple[bool, int | None]:
 
 def tick(f: Figures, settings: Settings, alerting: Alerting, now: float) -> None:
     train = train_settings(settings.train_config)
-    ckpt, on_disk = train.newest_checkpoint(), train.checkpoints_on_disk()
+    ckpt, on_disk = train.checkpoints()
     active, restarts = unit_state(settings.unit)
     thresholds = Thresholds(
         settings.slow_share,

@@ -29,12 +29,16 @@ class TrainSettings:
     max_steps: int | None = None
     keep_last: int | None = None
 
-    def newest_checkpoint(self) -> Checkpoint | None:
-        return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+    def checkpoints(self) -> tuple[Checkpoint | None, int | None]:
+        """The newest checkpoint and the count of step directories in checkpoint_dir, a half-removed one
+        included (it still holds disk), from one listing; (None, None) without a configuration."""
+        if self.checkpoint_dir is None:
+            return None, None
+        dirs = step_dirs(self.checkpoint_dir)
+        return newest_of(dirs), len(dirs)
 
-    def checkpoints_on_disk(self) -> int | None:
-        """Step directories in checkpoint_dir, a half-removed one included (it still holds disk)."""
-        return len(step_dirs(self.checkpoint_dir)) if self.checkpoint_dir is not None else None
+    def newest_checkpoint(self) -> Checkpoint | None:
+        return self.checkpoints()[0]
 
 
 def train_settings(path: Path) -> TrainSettings:
@@ -57,8 +61,8 @@ def step_dirs(directory: Path) -> list[Path]:
         return []
 
 
-def latest_checkpoint(directory: Path) -> Checkpoint | None:
-    names = step_dirs(directory)
+def newest_of(names: list[Path]) -> Checkpoint | None:
+    """The last of `step_dirs`' list, with the time its newest file was written."""
     if not names:
         return None
     newest = names[-1]

@@ -128,11 +128,9 @@ class DrafterSide:
                 cfg.drafter.num_layers, sum(p.numel() for p in params) / 1e9, device,
                 time.perf_counter() - start,
             )  # fmt: skip
-        self.checkpoint_dir = cfg.train.checkpoint_dir
+        t = cfg.train
         self.checkpointer = (
-            AsyncCheckpointer(self.checkpoint_dir, keep_last=cfg.train.keep_last)
-            if save and self.leader
-            else None
+            AsyncCheckpointer(t.checkpoint_dir, keep_last=t.keep_last) if save and self.leader else None
         )
         self.last: StepMetrics | None = None
         self.exchange: EvalExchange | None = None  # the leader's evaluation hand-off in a pipeline
@@ -233,7 +231,7 @@ class DrafterSide:
 
     def resume_newest(self) -> tuple[Path, Position] | None:
         """Resumes from the newest complete checkpoint in `train.checkpoint_dir` (None: there is none yet)."""
-        path = latest_checkpoint(self.checkpoint_dir)
+        path = latest_checkpoint(self.cfg.train.checkpoint_dir)
         return None if path is None else (path, self.resume(path))
 
     def resume(self, path: Path) -> Position:
