@@ -37,8 +37,9 @@ def plan(cache: Path, answer: str) -> preflight.ProbePlan:
 def test_a_passed_probe_is_kept_and_the_wait_returns_once_it_has(tmp_path, caplog) -> None:
     caplog.set_level(logging.INFO, "dflash_trainer.service")
     probes = ProbesBeside(plan(tmp_path / "verdicts.json", OK), runs=True)
-    assert not probes.done.is_set(), "the probe should still be running (it sleeps a second)"
+    assert probes.running(), "the probe should still be running (it sleeps a second)"
     probes.wait("the first FLA kernel launch")
+    assert not probes.running()
     probes.wait("the first step's end")
     kept = json.loads((tmp_path / "verdicts.json").read_text())["triton"]
     assert kept["verdict"] == "a Triton kernel compiled and ran" and kept["key"] == KEY

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import re
 import threading
 from pathlib import Path
@@ -402,3 +403,60 @@ def test_a_failing_evaluation_is_logged_and_training_goes_on(
         "evaluation walk_figures at step 0 failed: RuntimeError: the walk's cache rollback broke"
         in caplog.text
     )
+
+
+def test_the_drafter_compiled_ahead_leaves_the_run_as_it_was_and_its_first_step_compiles_nothing_new(
+    tmp_path, tiny_target, shards, monkeypatch, caplog
+):
+    """train.loop's compile ahead (while a cold start's GPU probes run): the first step then finds every
+    graph compiled, and the run's losses, weights, EMA and random streams are those of a run without it."""
+    from torch._dynamo.utils import counters
+
+    from dflash_trainer.train.drafter_side import DrafterSide
+
+    caplog.set_level(logging.INFO, "dflash_trainer.train")
+    graphs: dict[str, int] = {}
+    ahead = DrafterSide.compile_ahead
+
+    def counted(self, batch, item):
+        ahead(self, batch, item)
+        graphs["ahead"] = counters["stats"]["unique_graphs"]
+
+    monkeypatch.setattr(DrafterSide, "compile_ahead", counted)
+
+    def first_step(m):
+        graphs.setdefault("first step", counters["stats"]["unique_graphs"])
+
+    results, asked = {}, []
+    for on in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = make_config(tmp_path / str(on), tiny_target("qwen3_5"), shards, max_steps=3, compile=True,
+                          compile_backend="aot_eager")  # fmt: skip
+        torch.manual_seed(5)
+        seen: list = []
+
+        def ask(on=on) -> bool:
+            asked.append(on)
+            return on
+
+        result = train(cfg, hooks=[seen.append, first_step] if on else [seen.append], compile_ahead=ask)
+        results[on] = (seen, result, torch.rand(3))  # the global stream after the run
+    assert asked == [False, True], "compile_ahead is asked once, before the first target forward"
+    assert graphs["ahead"] > 0 and graphs["first step"] == graphs["ahead"], graphs
+    [line] = [r.getMessage() for r in caplog.records if "compiled ahead" in r.getMessage()]
+    assert line.startswith("drafter step compiled ahead in ") and line.endswith(
+        " s, before the target's first kernel launch"
+    )
+    (plain, plain_result, plain_rand), (ahead_seen, ahead_result, ahead_rand) = results[False], results[True]
+    assert [(m.loss, m.grad_norm) for m in ahead_seen] == [(m.loss, m.grad_norm) for m in plain]
+    assert torch.equal(ahead_rand, plain_rand)
+    a, a_ema = load_checkpoint(plain_result.checkpoint)
+    b, b_ema = load_checkpoint(ahead_result.checkpoint)
+    for name, tensor in a["trainer"]["drafter"].items():
+        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
+    for name, tensor in a_ema["shadow"].items():
+        assert torch.equal(tensor, b_ema["shadow"][name]), name
+    assert a["trainer"]["optimizer"]["state"].keys() == b["trainer"]["optimizer"]["state"].keys()
+    for stream in ("anchors", "torch"):
+        assert torch.equal(a["rng"][stream], b["rng"][stream]), stream

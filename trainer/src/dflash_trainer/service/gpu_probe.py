@@ -139,15 +139,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             import torch
 
             from dflash_trainer.service import autotune_compile as autotune
+            from dflash_trainer.service import timing_turns
 
             shape = (args.key_heads, args.value_heads, args.key_dim, args.value_dim, args.conv, args.tokens)
             forms = [heads_form(args.model_type)] if args.model_type else ["grouped", "repeated"]
             tally = autotune.AutotuneTally()
             at_once = autotune.configs_compiled_at_once(autotune.workers_from_env(), tally)
             mark = profile.mark if profile is not None else (lambda _label: None)
-            with autotune.tallied(tally, torch.cuda.synchronize), at_once:
+            # Its candidates timed in turns with a rank that compiles beside it (service.timing_turns).
+            with autotune.tallied(tally, torch.cuda.synchronize), at_once, timing_turns.in_turns() as turns:
                 ran = probe_fla(*shape, forms, mark)
-            print(f"ok: {ran}; {tally.summary()}")
+            waited = f"; {turns.summary()}" if turns is not None and turns.waited_s >= 0.1 else ""
+            print(f"ok: {ran}; {tally.summary()}{waited}")
     except BaseException as e:  # any failure is the probe's finding, reported as one line
         traceback.print_exc()
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""

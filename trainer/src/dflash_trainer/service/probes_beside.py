@@ -12,6 +12,10 @@ failed probe stops the rank with preflight's own line and fix. A rank that fails
 probe that failed as well (`after_failure`): a broken Triton fails the rank's compile first, less plainly.
 The other local ranks wait for the verdicts to appear in the verdict file; a failed probe ends local rank 0,
 and the launcher ends the job.
+
+A one-process run does not sit idle meanwhile: it compiles its drafter's step before the target's first
+kernel launch (train.loop, `running`), and the two processes' kernel timings take turns on the GPU
+(service.timing_turns).
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ class ProbesBeside:
                 break
             time.sleep(POLL_S)
         self._finish()
+
+    def running(self) -> bool:
+        """No verdict yet: the rank's first FLA kernel launch would wait for one."""
+        return not self.done.is_set()
 
     def wait(self, before: str) -> None:
         """Returns once every probe passed (said once, with its time); raises ProbeFailed otherwise."""

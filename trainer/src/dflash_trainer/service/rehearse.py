@@ -468,6 +468,8 @@ def run_unit_start(
         "probes_beside": [
             line for line in text.splitlines() if "gpu probes beside the start" in line.lower()
         ],
+        # What the rank did meanwhile: its drafter's step compiled ahead.
+        "meanwhile": [line for line in text.splitlines() if "compiled ahead in" in line],
         "ok": first_step_s is not None,
     }
     return figures

@@ -14,6 +14,7 @@ service/pause.py's PauseAt; without it the hook has no pause."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from dflash_trainer import stack_sampler, startup
 from dflash_trainer.logs import rank, setup_logging
-from dflash_trainer.service import autotune_compile, compile_caches
+from dflash_trainer.service import autotune_compile, compile_caches, timing_turns
 from dflash_trainer.service.notify import Heartbeat, Notifier
 from dflash_trainer.service.pause import PauseAt
 from dflash_trainer.service.probes_beside import ProbesBeside
@@ -56,6 +57,7 @@ class ServiceHooks:
         self._relayed: int | None = None
         self.profile: stack_sampler.StackSampler | None = None  # $DFLASH_PROFILE_START: start to first step
         self.probes: ProbesBeside | None = None  # the GPU probes preflight left to this start
+        self.turns: timing_turns.Turns | None = None  # this rank's kernel timings, in turns with the probes'
 
     def on_ready(self, *_: object) -> None:
         if self.ready:
@@ -87,6 +89,8 @@ class ServiceHooks:
             line = compile_caches.report(self.caches_at_ready, compile_caches.snapshot(), autotune_kept)
             if self.autotune.compiled_ahead:
                 line += f"; {self.autotune.compiled_ahead} autotune candidates compiled ahead on threads"
+            if self.turns is not None and self.turns.turns:
+                line += f"; {self.turns.summary()}"
             log.info(line)
             if self.profile is not None:
                 log.info(
@@ -295,7 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = 0
     try:
-        with autotune_compile.for_this_rank(cfg.train.device, compile_workers, hooks.autotune):
+        turns = timing_turns.in_turns() if probes is not None else contextlib.nullcontext()
+        with autotune_compile.for_this_rank(cfg.train.device, compile_workers, hooks.autotune), turns as t:
+            hooks.turns = t
             if pipeline:
                 checkpoint = serve_pipeline(cfg, topo, hooks, stop, max_steps=args.max_steps, pause=pause)
                 step = hooks.last.step if hooks.last else None
@@ -312,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     stop=stop,
                     on_ready=hooks.on_ready,
                     progress=Heartbeat(notifier),
+                    compile_ahead=probes.running if probes is not None else None,
                 )
                 how, step = ("stopped" if result.stopped else "finished"), result.step
                 where = result.checkpoint or "no checkpoint (nothing trained)"

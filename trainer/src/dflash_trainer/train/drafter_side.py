@@ -24,7 +24,7 @@ from dflash_trainer.checkpoint import (
 )
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.batch import TargetBatch
-from dflash_trainer.method.objective import dflash_loss
+from dflash_trainer.method.objective import ObjectiveOutput, dflash_loss
 from dflash_trainer.runtime import autocast, objective_config
 from dflash_trainer.train.schedule import Horizon, Position, anchor_seed
 from dflash_trainer.train.setup import build_drafter
@@ -140,6 +140,12 @@ class DrafterSide:
 
     # -- the step
 
+    def _loss(self, batch: TargetBatch, generator: torch.Generator) -> ObjectiveOutput:
+        self.drafter.train()
+        with autocast(self.cfg, self.device):
+            head = (self.embed_tokens, self.lm_head)
+            return dflash_loss(self.drafter, batch, *head, self.objective, generator)
+
     def step(self, step: int, item: int, batch: TargetBatch) -> str:
         """Pipeline step `step` on `item`: one optimizer step. Returns a short log fragment."""
         if self.checkpointer is not None:
@@ -152,11 +158,7 @@ class DrafterSide:
         self.generator.manual_seed(anchor_seed(self.cfg.data.seed, item))
         if self.ema is not None:
             self.ema.begin()  # the average starts at the weights before the first step (a resume: loaded)
-        self.drafter.train()
-        with autocast(self.cfg, self.device):
-            out = dflash_loss(
-                self.drafter, batch, self.embed_tokens, self.lm_head, self.objective, self.generator
-            )
+        out = self._loss(batch, self.generator)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.optim.grad_clip)
@@ -193,6 +195,25 @@ class DrafterSide:
                 log.info("checkpoint at step %d deferred: the previous write is still running; "
                          "saved after the first step that finds it done", m.step)  # fmt: skip
         return f"loss {m.loss:.4f} anchor_accept {m.anchor_accept:.2f} lr {m.lr:.2e}"
+
+    def compile_ahead(self, batch: TargetBatch, item: int) -> None:
+        """The step's forward and backward on `batch` (item `item` with stand-in features: the step's shapes
+        and dtypes), for their compile alone: torch.compile's graphs and their kernels' first runs (inductor's
+        autotuning included) happen here, while the rank would otherwise wait (loop.Run.train), instead of
+        in the first step. Nothing of the run changes: no optimizer step or EMA, the gradients dropped, the
+        anchors drawn as the step draws them but from a generator of its own, the global random streams
+        restored. One process only: under DDP the stand-in's gradients would be averaged with the other
+        drafters'."""
+        if "forward" in self.drafter.__dict__:
+            raise RuntimeError("compile_ahead runs in one process: this drafter is wrapped in DDP")
+        generator = torch.Generator()
+        generator.manual_seed(anchor_seed(self.cfg.data.seed, item))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with startup.phase("drafter compiled ahead"), torch.random.fork_rng(devices=devices):
+            out = self._loss(batch, generator)
+            out.loss.backward()
+            float(out.loss.detach())  # its kernels have run
+        self.optimizer.zero_grad(set_to_none=True)
 
     # -- checkpoints
 

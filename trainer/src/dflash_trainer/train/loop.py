@@ -75,8 +75,16 @@ class Run:
         return self.target.evaluate(self.drafter.step_count, self.drafter.drafter)
 
     def train(
-        self, *, stop_at: int | None = None, hooks: Sequence[Hook] = (), stop: threading.Event | None = None
+        self,
+        *,
+        stop_at: int | None = None,
+        hooks: Sequence[Hook] = (),
+        stop: threading.Event | None = None,
+        compile_ahead: Callable[[], bool] | None = None,
     ) -> TrainResult:
+        """`compile_ahead`, asked before the first target forward: True compiles the drafter's step first
+        (DrafterSide.compile_ahead), while the target's first kernel launch would wait anyway (the GPU probes
+        beside a cold start, service.probes_beside)."""
         first, end, offset = self.position.span(self.horizon, 1, stop_at)
         self.target.start_at(first, self.position.data)
         log.info(
@@ -86,7 +94,13 @@ class Run:
         p = first
         last = time.perf_counter()
         while p < end and not (stop is not None and stop.is_set()):
-            batch = self.target.forward(self.target.load(p))
+            rows = self.target.load(p)
+            if p == first and compile_ahead is not None and compile_ahead():
+                started = time.perf_counter()
+                self.drafter.compile_ahead(self.target.stand_in(rows), p)
+                log.info("drafter step compiled ahead in %.1f s, before the target's first kernel launch",
+                         time.perf_counter() - started)  # fmt: skip
+            batch = self.target.forward(rows)
             self.drafter.step(p, p, batch)
             m = self.drafter.last
             assert m is not None
@@ -118,14 +132,15 @@ def train(
     stop: threading.Event | None = None,
     on_ready: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    compile_ahead: Callable[[], bool] | None = None,
 ) -> TrainResult:
     """One process: trains until the horizon, or `max_steps` (a stop, not a new horizon), or `stop` is set.
     Resumes from the newest checkpoint; `on_ready` is called once models, data and checkpoint are loaded;
-    `progress` hears what a long evaluation is doing while it runs."""
+    `progress` hears what a long evaluation is doing while it runs; `compile_ahead`: see Run.train."""
     run = Run(cfg)
     if progress is not None:
         run.target.progress = progress
     run.resume()
     if on_ready is not None:
         on_ready()
-    return run.train(stop_at=max_steps, hooks=hooks, stop=stop)
+    return run.train(stop_at=max_steps, hooks=hooks, stop=stop, compile_ahead=compile_ahead)

@@ -80,6 +80,17 @@ class TargetSide:
             out = self.capture(batch.input_ids, batch.attention_mask, batch.loss_mask)
         return TargetBatch(out.input_ids, out.loss_mask, out.context.to(self.setup.dtype))
 
+    def stand_in(self, batch: Batch) -> TargetBatch:
+        """What `forward(batch)` returns, its features random: the shapes and dtypes of the drafter's step,
+        without running the target (DrafterSide.compile_ahead)."""
+        rows, tokens = batch.input_ids.shape
+        width = len(self.target.layer_ids) * self.target.hidden_size
+        random = torch.Generator(self.device).manual_seed(0)  # the run's random streams stay untouched
+        context = torch.randn(
+            rows, tokens, width, device=self.device, dtype=self.setup.dtype, generator=random
+        )
+        return TargetBatch(batch.input_ids, batch.loss_mask.bool(), context)
+
     def evaluate(self, step: int, drafter: nn.Module) -> dict[str, float]:
         ctx = EvalContext(
             step, self.cfg, self.target, drafter, self.held_out, self.device,
