@@ -70,19 +70,19 @@ class Turns:
 
 
 def _timing_methods() -> list[tuple[type, str]]:
-    """(class, method) of each timing of candidates this process can import."""
+    """(class, method) of each timing of candidates this process can import, where the class defines it."""
     found: list[tuple[type, str]] = []
     try:
         from triton.runtime.autotuner import Autotuner
 
-        if hasattr(Autotuner, "_bench"):
+        if "_bench" in Autotuner.__dict__:
             found.append((Autotuner, "_bench"))
     except ImportError:
         pass
     try:
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-        if hasattr(CachingAutotuner, "benchmark_all_configs"):
+        if "benchmark_all_configs" in CachingAutotuner.__dict__:
             found.append((CachingAutotuner, "benchmark_all_configs"))
     except ImportError:
         pass
