@@ -7,6 +7,7 @@ import fcntl
 import logging
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ def _hold_a_turn(path: str, log: str, holding, release) -> None:
             note(log, "other starts")
             holding.set()
             release.wait(30)
+            time.sleep(0.3)  # still in its turn: a process that did not wait for it would write first
             note(log, "other ends")
 
 
