@@ -45,6 +45,17 @@ def make_config(tmp_path: Path, target: Path, shards: Path, **train: object) -> 
     return load_config(path)
 
 
+def same_weights_and_ema(path_a: Path, path_b: Path) -> tuple[dict, dict]:
+    """Asserts two checkpoints hold equal drafter weights and EMA shadows; returns their states."""
+    a, a_ema = load_checkpoint(path_a)
+    b, b_ema = load_checkpoint(path_b)
+    for name, tensor in a["trainer"]["drafter"].items():
+        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
+    for name, tensor in a_ema["shadow"].items():
+        assert torch.equal(tensor, b_ema["shadow"][name]), name
+    return a, b
+
+
 def test_lr_schedule_warms_up_then_decays():
     f = [lr_factor(s, total=100, warmup=4, schedule="cosine", min_ratio=0.1) for s in range(100)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
@@ -108,12 +119,7 @@ def test_resume_is_exact(tmp_path, tiny_target, shards):
     resumed = train(cfg)
     assert resumed.step == 20
 
-    a, a_ema = load_checkpoint(straight.checkpoint)
-    b, b_ema = load_checkpoint(resumed.checkpoint)
-    for name, tensor in a["trainer"]["drafter"].items():
-        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
-    for name, tensor in a_ema["shadow"].items():
-        assert torch.equal(tensor, b_ema["shadow"][name]), name
+    a, b = same_weights_and_ema(straight.checkpoint, resumed.checkpoint)
     assert a["data"] == b["data"]
     assert [p.name for p in list_checkpoints(tmp_path / "b" / "ckpt")] == ["step-00000010", "step-00000020"]
 
@@ -451,12 +457,7 @@ def test_the_drafter_compiled_ahead_leaves_the_run_as_it_was_and_its_first_step_
     (plain, plain_result, plain_rand), (ahead_seen, ahead_result, ahead_rand) = results[False], results[True]
     assert [(m.loss, m.grad_norm) for m in ahead_seen] == [(m.loss, m.grad_norm) for m in plain]
     assert torch.equal(ahead_rand, plain_rand)
-    a, a_ema = load_checkpoint(plain_result.checkpoint)
-    b, b_ema = load_checkpoint(ahead_result.checkpoint)
-    for name, tensor in a["trainer"]["drafter"].items():
-        assert torch.equal(tensor, b["trainer"]["drafter"][name]), name
-    for name, tensor in a_ema["shadow"].items():
-        assert torch.equal(tensor, b_ema["shadow"][name]), name
+    a, b = same_weights_and_ema(plain_result.checkpoint, ahead_result.checkpoint)
     assert a["trainer"]["optimizer"]["state"].keys() == b["trainer"]["optimizer"]["state"].keys()
     for stream in ("anchors", "torch"):
         assert torch.equal(a["rng"][stream], b["rng"][stream]), stream
