@@ -143,8 +143,9 @@ class DrafterSide:
     def _loss(self, batch: TargetBatch, generator: torch.Generator) -> ObjectiveOutput:
         self.drafter.train()
         with autocast(self.cfg, self.device):
-            head = (self.embed_tokens, self.lm_head)
-            return dflash_loss(self.drafter, batch, *head, self.objective, generator)
+            return dflash_loss(
+                self.drafter, batch, self.embed_tokens, self.lm_head, self.objective, generator
+            )
 
     def step(self, step: int, item: int, batch: TargetBatch) -> str:
         """Pipeline step `step` on `item`: one optimizer step. Returns a short log fragment."""
@@ -209,7 +210,7 @@ class DrafterSide:
         generator = torch.Generator()
         generator.manual_seed(anchor_seed(self.cfg.data.seed, item))
         devices = [self.device] if self.device.type == "cuda" else []
-        with startup.phase("drafter compiled ahead"), torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices):  # timed and logged by its caller, after READY
             out = self._loss(batch, generator)
             out.loss.backward()
             float(out.loss.detach())  # its kernels have run
