@@ -21,6 +21,8 @@
 #              the unit start with the trainer before the change, side by side; UNIT_START_ONLY=1: no smoke
 #              run, a first unit start on empty caches, then those two on its caches)
 #   target     the target forward of the 8-layer slice: the trainer's compiled path with and without CUDA graphs
+#              (TARGET_VARIANTS: bench_target's --variant; TARGET_BEFORE=1: the trainer at .old/trainer/src and this
+#              one, alternating, TARGET_ROUNDS times)
 #   load       fast_load's GB/s with the 27B target staged in /dev/shm beside it (the production situation),
 #              then with it removed (an idle host)
 # Results: $OUT/*.log and *.json (walk.json, preflight.json, target.json, session.log).
@@ -81,9 +83,21 @@ start)
       grep -hE "evaluation at step|compile caches|preflight (passed|FAILED)|ok   (triton|caches)|torch.compile" "$STATE"/rehearsal/run/*.log 2>/dev/null | head -n 20
     fi
     if want target; then
-      echo "=== target forward, 8-layer slice ($(date -u +%T))"
-      timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp --out "$STATE/out/target.json" \
-        --variant trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused 2>&1 | grep -v "^Loading weights" | tail -n 30
+      # TARGET_BEFORE=1: the trainer before the change (.old/trainer/src) and this one, alternating, TARGET_ROUNDS
+      # times (target-before-R.json, target-R.json); else this trainer once (target.json).
+      read -r -a variants <<<"${TARGET_VARIANTS:-trainer-compiled trainer-graphed trainer-graphed-plain graph-layers-fused}"
+      arms=(this); [ "${TARGET_BEFORE:-0}" = 1 ] && [ -d .old/trainer/src ] && arms=(before this)
+      rounds=${TARGET_ROUNDS:-1}
+      for round in $(seq "$rounds"); do
+        for arm in "${arms[@]}"; do
+          name=target; [ "$arm" = before ] && name=target-before
+          [ "${#arms[@]}" -gt 1 ] || [ "$rounds" -gt 1 ] && name=$name-$round
+          echo "=== target forward, 8-layer slice, $name ($(date -u +%T))"
+          src=$PWD/trainer/src; [ "$arm" = before ] && src=$PWD/.old/trainer/src
+          PYTHONPATH=$src:$PYTHONPATH timeout 420 python3 trainer/bench/bench_target.py --device cuda --layers 8 --dir /var/tmp \
+            --out "$STATE/out/$name.json" --variant "${variants[@]}" 2>&1 | grep -v "^Loading weights" | tail -n 30
+        done
+      done
     fi
     if want load; then
       echo "=== fast_load beside the staged target: $(du -sh /dev/shm 2>/dev/null | cut -f1) in /dev/shm ($(date -u +%T))"

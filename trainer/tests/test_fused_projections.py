@@ -14,6 +14,7 @@ from dflash_trainer.model import target as target_module
 from dflash_trainer.model.fused_projections import (
     DEDUPLICATE_MATMULS,
     FusedGroup,
+    Neighbours,
     fuse_group,
     fuse_projections,
 )
@@ -41,17 +42,28 @@ def _fast_loaded(path) -> nn.Module:
     return model.requires_grad_(False)
 
 
-def test_fast_load_layout_fuses_by_view_and_leaves_scattered_groups_apart(tiny_target) -> None:
+def test_fast_load_layout_fuses_by_view_and_gathers_scattered_groups_in_place(tiny_target) -> None:
     """safetensors files sort tensors by name: in_proj_a|b|qkv|z and gate|up lie back to back, q|k|v do not
-    (k_norm, o_proj and q_norm between): those would need a second copy of the weights, so they stay apart."""
+    (o_proj and q_norm between): their stretch of the file's allocation is laid out again, q|k|v first, and
+    every weight in it keeps its value (no second copy)."""
     model = _fast_loaded(tiny_target("qwen3_5"))
     before = _state(model)
     shard = model.model.layers[0].mlp.gate_proj.weight.untyped_storage().data_ptr()
+    attention = model.model.layers[3].self_attn
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm")
+    stretch = {n: getattr(attention, n).weight for n in names}
+    in_file = ["k_proj", "o_proj", "q_norm", "q_proj", "v_proj"]
+    assert sorted(names, key=lambda n: stretch[n].data_ptr()) == in_file
+    start = stretch["k_proj"].data_ptr()
     outcome = fuse_projections(model)
-    assert outcome == {
-        "view": 6 + 5,  # the MLPs of layers 0-5 and the Gated DeltaNets of 0, 1, 2, 4, 5
-        "apart: the weights share memory with others (fusing would keep a second copy)": 1,
-    }
+    # the MLPs of layers 0-5, the Gated DeltaNets of 0, 1, 2, 4, 5; the attention of 3
+    assert outcome == {"view": 6 + 5, "gathered": 1}
+    assert sorted(names, key=lambda n: stretch[n].data_ptr()) == list(names)  # the group first, in its order
+    assert stretch["q_proj"].data_ptr() == start  # the same stretch of the same allocation
+    qkv: FusedGroup = attention.q_proj._dflash_fused
+    assert qkv.weight.untyped_storage().data_ptr() == shard
+    q, k, v = (getattr(attention, n).weight.shape[0] for n in names[:3])
+    assert [getattr(attention, n)._dflash_rows for n in names[:3]] == [(0, q), (q, q + k), (q + k, q + k + v)]
     linear_attn = model.model.layers[0].linear_attn
     group: FusedGroup = linear_attn.in_proj_z._dflash_fused
     assert group.weight.untyped_storage().data_ptr() == shard  # a view: no new memory
@@ -63,11 +75,10 @@ def test_fast_load_layout_fuses_by_view_and_leaves_scattered_groups_apart(tiny_t
     for name in rows:
         lo, hi = rows[name]
         assert torch.equal(group.weight[lo:hi], getattr(linear_attn, name).weight)
-    assert not hasattr(model.model.layers[3].self_attn.q_proj, "_dflash_fused")
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     again = fuse_projections(model)  # idempotent
-    assert again == {"already fused": 11, next(k for k in outcome if k.startswith("apart")): 1}
+    assert again == {"already fused": 12}
 
 
 def test_separately_allocated_weights_are_copied_once_and_keep_their_values(tiny_target) -> None:
@@ -88,6 +99,50 @@ def test_separately_allocated_weights_are_copied_once_and_keep_their_values(tiny
     assert all(torch.equal(after[k], before[k]) for k in before)
     # outside a compiled region every projection runs its own weight: the same features, bit for bit
     torch.testing.assert_close(target.capture(ids).context, expected, rtol=0, atol=0)
+
+
+def _laid_out(**sizes: int) -> tuple[nn.Module, torch.Tensor]:
+    """A module whose frozen fp32 weights (`sizes` floats each) lie side by side in one allocation, in the
+    order given, as fast_load lays a file out; and that allocation."""
+    flat = torch.arange(float(sum(sizes.values())))
+    module = nn.Module()
+    for name, w in zip(sizes, flat.split(list(sizes.values())), strict=True):
+        module.register_parameter(name, nn.Parameter(w, requires_grad=False))
+    return module, flat
+
+
+def _places(module: nn.Module, flat: torch.Tensor) -> dict[str, int]:
+    """Where each weight starts in the allocation, in floats."""
+    return {name: (w.data_ptr() - flat.data_ptr()) // 4 for name, w in module.named_parameters()}
+
+
+def test_gather_lays_the_stretch_out_again_with_the_group_first() -> None:
+    module, flat = _laid_out(a=8, between=8, b=16, after=8)
+    values = {name: w.clone() for name, w in module.named_parameters()}
+    assert Neighbours(module).gather([module.b, module.a])  # the group's order: b first
+    assert _places(module, flat) == {"b": 0, "a": 16, "between": 24, "after": 32}  # `after`: not moved
+    assert all(torch.equal(w, values[name]) for name, w in module.named_parameters())
+
+
+def test_gather_refuses_what_it_cannot_move_safely() -> None:
+    module, flat = _laid_out(a=8, between=8, b=16)
+    unchanged = _places(module, flat)
+    stranger = nn.Module()  # `between` is not this model's: its bytes are someone else's
+    stranger.register_parameter("a", module.a)
+    stranger.register_parameter("b", module.b)
+    assert not Neighbours(stranger).gather([module.a, module.b])
+    pinned = Neighbours(module)
+    pinned.pinned.add(id(module.between))  # a fused group's view lies over it
+    assert not pinned.gather([module.a, module.b])
+    assert not Neighbours(module).gather([module.a, torch.zeros(8)])  # two allocations
+    twice = nn.Module()  # the first half of `between` seen twice, its second half nobody's: as many bytes
+    for name, w in {"a": module.a, "b": module.b, "x": flat[8:12], "y": flat[8:12]}.items():
+        twice.register_parameter(name, nn.Parameter(w, requires_grad=False))
+    assert not Neighbours(twice).gather([twice.a, twice.b])
+    assert _places(module, flat) == unchanged
+    assert Neighbours(module).gather([module.a, module.b])  # nothing else in the way
+    narrow, _ = _laid_out(a=2, n=2, b=4)
+    assert not Neighbours(narrow).gather([narrow.a, narrow.b])  # b: from byte 16 to byte 8, off 16 bytes
 
 
 def _linear(out: int, bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
@@ -154,7 +209,7 @@ def test_fused_compiled_capture_on_cuda_equals_capture(tiny_target) -> None:
     ids = tiny_token_ids(0).cuda()
     expected = target.capture(ids).context
     fused, matmuls, graphs = _compiled_run(target, True, ids)
-    assert graphs == 2 and matmuls == 4 + 6  # the attention layer's q, k, v apart (fast_load's layout)
+    assert graphs == 2 and matmuls == 4 + 4  # the attention's q, k, v gathered in fast_load's allocation
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
 
 

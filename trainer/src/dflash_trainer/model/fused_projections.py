@@ -9,8 +9,11 @@ transformers' layers call each projection by name (`self.in_proj_z(hidden_states
 as they are. Instead:
 - the group's weights become rows of one fused matrix: a view over them where they already lie back to back
   in one allocation (fast_load's views of a safetensors file, whose tensors are sorted by name: a, b, qkv, z
-  and gate, up are neighbours), else one copy that replaces them (their old memory is freed); a group that
-  could only be fused by keeping a second copy of its weights stays apart;
+  and gate, up are neighbours); where other weights of that allocation lie between them (an attention
+  layer's k_proj, o_proj, q_norm, q_proj, v_proj), the stretch they share is laid out again in place, the
+  group first, and every weight in it re-pointed to its new place (`Neighbours.gather`); else one copy that
+  replaces them (their old memory is freed); a group that could only be fused by keeping a second copy of
+  its weights stays apart;
 - each projection's forward, while compiled, is `linear(x, fused)[..., its rows]`: the group's calls become
   the same matmul, which `DEDUPLICATE_MATMULS` (an inductor post-grad pass) merges into one;
 - outside a compiled region (the decode walk, eager captures) each projection runs its own weight, as before.
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import logging
 import types
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +84,67 @@ def _owns_its_memory(w: Tensor) -> bool:
     return w.is_contiguous() and w.untyped_storage().nbytes() == w.nbytes
 
 
-def fuse_group(linears: list[nn.Linear]) -> str:
-    """Fuse one group in place; returns "view", "copy" or why it stayed apart."""
+def _offset(t: Tensor) -> int:
+    """Where `t` starts in its allocation, in bytes."""
+    return t.data_ptr() - t.untyped_storage().data_ptr()
+
+
+def _alignment(offset: int) -> int:
+    """What a tensor at `offset` is aligned to, up to the 16 bytes of a GPU's vector loads (cuBLAS's and
+    Triton's fast paths want 16-byte aligned operands)."""
+    return min(16, offset & -offset) if offset else 16
+
+
+class Neighbours:
+    """A model's parameters and buffers by the allocation they lie in, to lay a group's weights out together
+    where they share one allocation with the weights between them (fast_load's view of a file)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.by_allocation: dict[int, list[Tensor]] = defaultdict(list)
+        seen: set[int] = set()
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) not in seen and t.device.type != "meta":
+                seen.add(id(t))
+                self.by_allocation[t.untyped_storage().data_ptr()].append(t)
+        self.pinned: set[int] = set()  # the weights of fused groups (a view over them): never moved
+
+    def gather(self, weights: list[Tensor]) -> bool:
+        """Lays out the stretch of the allocation from the first weight of the group to the end of its last
+        again, in place: the group's weights back to back in the group's order, then the others that lay in
+        between, each weight re-pointed to its new place (the same values; the stretch is copied once). Only
+        where that is safe: the group in one allocation, the stretch tiled exactly by contiguous weights of
+        the model (no byte of something else in it), none of them in a fused group, none less aligned after
+        the move than before (`_alignment`). Returns whether it moved them."""
+        allocation = weights[0].untyped_storage()
+        if any(w.untyped_storage().data_ptr() != allocation.data_ptr() for w in weights):
+            return False
+        lo = min(_offset(w) for w in weights)
+        hi = max(_offset(w) + w.nbytes for w in weights)
+        near = self.by_allocation[allocation.data_ptr()]
+        inside = sorted((t for t in near if _offset(t) < hi and _offset(t) + t.nbytes > lo), key=_offset)
+        end = lo
+        for t in inside:
+            if _offset(t) != end or not t.is_contiguous() or id(t) in self.pinned:
+                return False  # a gap (bytes not the model's), an overlap, a strided or a pinned weight
+            end += t.nbytes  # tiled from lo on, the last ends at hi: the group's last weight does
+        group = {id(w) for w in weights}
+        order = [*weights, *(t for t in inside if id(t) not in group)]
+        places = list(itertools.accumulate((t.nbytes for t in order[:-1]), initial=lo))
+        if any(new % _alignment(_offset(t)) for t, new in zip(order, places, strict=True)):
+            return False
+        raw = torch.empty(0, dtype=torch.uint8, device=weights[0].device).set_(allocation)
+        before = raw[lo:hi].clone()
+        for t, new in zip(order, places, strict=True):
+            old = _offset(t) - lo
+            raw[new : new + t.nbytes].copy_(before[old : old + t.nbytes])
+        for t, new in zip(order, places, strict=True):
+            t.data = raw[new : new + t.nbytes].view(t.dtype).view(t.shape)
+        return True
+
+
+def fuse_group(linears: list[nn.Linear], neighbours: Neighbours | None = None) -> str:
+    """Fuse one group in place; returns "view", "gathered" (a view once `neighbours` laid them out
+    together), "copy" or why it stayed apart."""
     weights = [lin.weight for lin in linears]
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return "apart: dtypes, devices or input widths differ"
@@ -91,6 +155,9 @@ def fuse_group(linears: list[nn.Linear]) -> str:
     in_memory = sorted(linears, key=lambda lin: lin.weight.data_ptr())
     fused = _back_to_back([lin.weight for lin in in_memory])
     how = "view"
+    if fused is None and neighbours is not None and neighbours.gather(weights):
+        in_memory, how = linears, "gathered"  # now back to back in the group's order
+        fused = _back_to_back(weights)
     if fused is not None:
         linears = in_memory  # rows in memory order (by name in a safetensors file: the same in every layer)
     else:  # rows in the group's order: the same in every layer, so the layers of a kind share one graph
@@ -113,13 +180,16 @@ def fuse_group(linears: list[nn.Linear]) -> str:
 def fuse_projections(model: nn.Module) -> dict[str, int]:
     """Fuse every sibling group of `model` (see GROUPS); idempotent. Returns how many went which way."""
     outcome: dict[str, int] = {}
+    neighbours = Neighbours(model)
     for module in model.modules():
         for names in GROUPS:
             linears = [getattr(module, n, None) for n in names]
             if not all(isinstance(lin, nn.Linear) for lin in linears):
                 continue
             done = all(hasattr(lin, _FUSED) for lin in linears)
-            how = "already fused" if done else fuse_group(linears)
+            how = "already fused" if done else fuse_group(linears, neighbours)
+            if hasattr(linears[0], _FUSED):
+                neighbours.pinned.update(id(lin.weight) for lin in linears)
             outcome[how] = outcome.get(how, 0) + 1
     if outcome:
         log.info("target projections fused for the compiled forward: %s",
