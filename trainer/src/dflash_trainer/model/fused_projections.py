@@ -183,8 +183,8 @@ def fuse_projections(model: nn.Module) -> dict[str, int]:
     neighbours = Neighbours(model)
     for module in model.modules():
         for names in GROUPS:
-            linears = [getattr(module, n, None) for n in names]
-            if not all(isinstance(lin, nn.Linear) for lin in linears):
+            linears = [lin for n in names if isinstance(lin := getattr(module, n, None), nn.Linear)]
+            if len(linears) != len(names):
                 continue
             done = all(hasattr(lin, _FUSED) for lin in linears)
             how = "already fused" if done else fuse_group(linears, neighbours)
