@@ -118,10 +118,11 @@ def _places(module: nn.Module, flat: torch.Tensor) -> dict[str, int]:
 
 def test_gather_lays_the_stretch_out_again_with_the_group_first() -> None:
     module, flat = _laid_out(a=8, between=8, b=16, after=8)
-    values = {name: w.clone() for name, w in module.named_parameters()}
+    before = _state(module)
     assert Neighbours(module).gather([module.b, module.a])  # the group's order: b first
     assert _places(module, flat) == {"b": 0, "a": 16, "between": 24, "after": 32}  # `after`: not moved
-    assert all(torch.equal(w, values[name]) for name, w in module.named_parameters())
+    after = module.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_gather_refuses_what_it_cannot_move_safely() -> None:
@@ -143,6 +144,26 @@ def test_gather_refuses_what_it_cannot_move_safely() -> None:
     assert Neighbours(module).gather([module.a, module.b])  # nothing else in the way
     narrow, _ = _laid_out(a=2, n=2, b=4)
     assert not Neighbours(narrow).gather([narrow.a, narrow.b])  # b: from byte 16 to byte 8, off 16 bytes
+
+
+def test_a_fused_groups_weights_are_never_moved_by_a_later_gather() -> None:
+    """A group fused by view first (gate|up) lies inside the stretch of a later scattered one (k, gate, up, q,
+    v in memory): moving it would leave its fused view over other weights, so the later group stays apart."""
+    flat = torch.arange(5 * 4 * 8, dtype=torch.float32)
+    rows = dict(zip(("k_proj", "gate_proj", "up_proj", "q_proj", "v_proj"), flat.view(5, 4, 8), strict=True))
+    model = nn.Module()
+    model.mlp, model.attn = nn.Module(), nn.Module()  # the MLP first: model.modules() fuses it first
+    for name, w in rows.items():
+        linear = nn.Linear(8, 4, bias=False)
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        setattr(model.mlp if name in ("gate_proj", "up_proj") else model.attn, name, linear)
+    outcome = fuse_projections(model)
+    assert outcome == {
+        "view": 1,
+        "apart: the weights share memory with others (fusing would keep a second copy)": 1,
+    }
+    mlp: FusedGroup = model.mlp.gate_proj._dflash_fused
+    assert torch.equal(mlp.weight, torch.cat([rows["gate_proj"], rows["up_proj"]]))
 
 
 def _linear(out: int, bias: bool = False, dtype: torch.dtype = torch.float32) -> nn.Linear:
